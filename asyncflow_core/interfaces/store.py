@@ -1,0 +1,160 @@
+"""The StreamStore contract: the column-oriented streaming store (TransferQueue)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncflow_core.interfaces.features import StoreFeatures
+from asyncflow_core.types import Batch, Column
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """A handle on rows of the store: what ``get_meta`` leases and ``put`` returns.
+
+    ``lease_id`` is set for leases (rows handed to ``task``); it is ``None``
+    for the handle ``put`` returns. ``end_of_stream`` is True on the (empty)
+    meta returned once the stream has ended and no row will ever become ready
+    for the request.
+    """
+
+    row_ids: torch.Tensor  #: int64 global row indices
+    columns: tuple[str, ...] = ()
+    task: str | None = None
+    lease_id: int | None = None
+    deadline: float | None = None  #: monotonic time after which an unacknowledged lease returns to free
+    group_ids: torch.Tensor | None = None
+    min_version: torch.Tensor | None = None
+    max_version: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
+    end_of_stream: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __len__(self) -> int:
+        return int(self.row_ids.numel())
+
+
+class StreamStore(abc.ABC):
+    """Rows are samples, columns are fields; every RL task reads and writes it sample by sample.
+
+    Per row the store keeps a ready bit per column and, per consuming task,
+    a state: free -> leased -> done. Guarantees every deployment gives:
+
+    - **Exactly once per task**: a row is leased to a task only while free for
+      it; after ``ack`` it is done for that task and never handed out to it again.
+    - **Nothing lost**: ``release``, an expired lease deadline, or a consumer
+      declared dead return the rows to free.
+    - **Version filter**: ``get_meta(min_version=v)`` never returns a row whose
+      ``min_version`` is below ``v``.
+    - **Streaming**: ``get_meta`` returns as soon as the sampler forms a batch;
+      waits are notification-driven, never polling sleeps.
+    - **Backpressure**: at most ``capacity`` rows are live; ``put`` of new rows
+      waits for space (``block=True``) or raises ``StoreFullError``.
+
+    Errors are typed subclasses of :class:`~asyncflow_core.errors.StoreError`;
+    a rejected call leaves the store unchanged.
+    """
+
+    @property
+    @abc.abstractmethod
+    def features(self) -> StoreFeatures:
+        """Deployment and optional capabilities (see :class:`StoreFeatures`)."""
+
+    @abc.abstractmethod
+    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
+        """Declare a task: the columns it reads (it becomes a consumer that must
+        acknowledge every row before the row can be garbage-collected) and the
+        columns it writes. ``get_meta`` for a column no task produces raises
+        ``UnknownColumnError``."""
+
+    @abc.abstractmethod
+    async def put(
+        self,
+        columns: Mapping[str, Column],
+        *,
+        rows: BatchMeta | None = None,
+        partition: str = "default",
+        group_ids: torch.Tensor | Sequence[int] | None = None,
+        versions: torch.Tensor | None = None,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Write column values.
+
+        With ``rows=None`` new rows are appended (one per row of ``columns``)
+        to ``partition`` with the given ``group_ids``; otherwise the columns
+        of the existing ``rows`` are written. ``versions`` ([n, 2] int64: min
+        and max policy version per row) widens each row's version range. Each
+        written column's ready bit is set atomically with its data. Returns a
+        meta naming the rows written.
+        """
+
+    @abc.abstractmethod
+    async def get_meta(
+        self,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: str | None = None,
+        min_version: int | None = None,
+        partition: str | None = None,
+        partial: bool = False,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        consumer: str | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> BatchMeta:
+        """Lease up to ``batch_size`` rows whose ``columns`` are ready, free for ``task``, and inside the filter.
+
+        Blocks until the sampler forms a batch, the stream ends (returns an
+        empty meta with ``end_of_stream=True``), or ``timeout`` passes
+        (raises ``StoreTimeoutError``). ``consumer`` names the holder so
+        ``declare_dead`` can return its leases.
+        """
+
+    @abc.abstractmethod
+    async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
+        """Read ``columns`` (default: ``meta.columns``) of ``meta``'s rows, in ``meta`` order, with ``row_ids`` set."""
+
+    @abc.abstractmethod
+    async def ack(self, meta: BatchMeta) -> None:
+        """Mark a lease's rows done for its task. A second ack, or an ack after the lease expired, raises ``LeaseError``."""
+
+    @abc.abstractmethod
+    async def release(self, meta: BatchMeta) -> None:
+        """Return a lease's rows to free for its task without processing them."""
+
+    @abc.abstractmethod
+    async def declare_dead(self, consumer: str) -> int:
+        """Return every lease held by ``consumer`` to free; returns the number of rows freed."""
+
+    @abc.abstractmethod
+    async def end_stream(self, partition: str | None = None) -> None:
+        """No more new rows will be put (in ``partition``, or at all): consumers drain then get ``end_of_stream``."""
+
+    @abc.abstractmethod
+    async def clear(self, partition: str | None = None) -> int:
+        """Drop rows (of ``partition``, or all) and their leases; returns the number of rows dropped."""
+
+    @abc.abstractmethod
+    async def state_dict(self) -> dict[str, Any]:
+        """Controller state (rows, readiness, per-task progress, data) to resume from."""
+
+    @abc.abstractmethod
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; outstanding leases come back as free."""
+
+    @abc.abstractmethod
+    async def stats(self) -> dict[str, int]:
+        """Counters: rows live, rows leased, rows done, rows dropped, bytes stored (at least these keys)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop serving; wake every waiter with ``StoreClosedError``. Safe to call twice."""

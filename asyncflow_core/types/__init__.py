@@ -1,0 +1,25 @@
+"""Value types shared by every interface: ragged sequences, columnar batches,
+generation requests/results, weight buckets, dataset records and reward inputs."""
+
+from asyncflow_core.types.batch import Batch, Column
+from asyncflow_core.types.generation import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from asyncflow_core.types.ragged import RaggedTensor
+from asyncflow_core.types.records import PromptRecord, RewardInput, RewardOutput
+from asyncflow_core.types.weights import TensorMeta, WeightBucket, buffer_checksum, pack_buckets
+
+__all__ = [
+    "Batch",
+    "Column",
+    "FinishReason",
+    "GenerationRequest",
+    "GenerationResult",
+    "PromptRecord",
+    "RaggedTensor",
+    "RewardInput",
+    "RewardOutput",
+    "SamplingParams",
+    "TensorMeta",
+    "WeightBucket",
+    "buffer_checksum",
+    "pack_buckets",
+]

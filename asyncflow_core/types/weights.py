@@ -1,0 +1,154 @@
+"""Weight buckets: named tensors packed into flat byte buffers for transport."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from asyncflow_core.errors import WeightTransferError
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
+BUCKET_ALIGNMENT = 64  #: byte alignment of every tensor inside a bucket buffer
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the name carried in metadata)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise WeightTransferError(f"unknown dtype {name!r} in weight metadata; known: {sorted(_DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one named tensor lives inside a bucket buffer.
+
+    ``offset`` is in bytes from the start of the bucket's buffer and is a
+    multiple of :data:`BUCKET_ALIGNMENT`; the tensor is contiguous.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_from_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class WeightBucket:
+    """A fixed-size group of tensors of one weight version, packed in one uint8 buffer.
+
+    ``checksum`` is the BLAKE2b digest of ``buffer`` computed by the sender;
+    receivers call :meth:`verify` before using the tensors.
+    """
+
+    version: int
+    index: int  #: position of this bucket in its version's export, from 0
+    metas: tuple[TensorMeta, ...]
+    buffer: torch.Tensor  #: 1-D uint8, contiguous
+    checksum: str
+    last: bool  #: True on the final bucket of a version
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` views into the buffer (no copy)."""
+        for m in self.metas:
+            raw = self.buffer[m.offset : m.offset + m.nbytes]
+            yield m.name, raw.view(dtype_from_name(m.dtype)).view(m.shape)
+
+    def verify(self) -> None:
+        """Raise :class:`WeightTransferError` if the buffer does not match its checksum."""
+        actual = buffer_checksum(self.buffer)
+        if actual != self.checksum:
+            raise WeightTransferError(
+                f"weight bucket {self.index} of version {self.version} is corrupted: checksum {actual} "
+                f"!= {self.checksum} sent"
+            )
+
+
+def buffer_checksum(buffer: torch.Tensor) -> str:
+    """BLAKE2b-128 hex digest of a uint8 CPU or device buffer."""
+    data = buffer.detach().contiguous()
+    if data.device.type != "cpu":
+        data = data.cpu()
+    return hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int
+) -> Iterator[WeightBucket]:
+    """Pack ``(name, tensor)`` pairs into buckets of at most ``bucket_bytes``.
+
+    A tensor larger than ``bucket_bytes`` gets a bucket of its own. Tensors
+    are copied once, into the bucket buffer, in the order given.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    index = 0
+
+    def flush(last: bool) -> WeightBucket:
+        nonlocal pending, size, index
+        metas = []
+        offset = 0
+        for name, t in pending:
+            metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset))
+            offset = _align(offset + t.numel() * t.element_size())
+        device = pending[0][1].device if pending else torch.device("cpu")
+        buffer = torch.zeros(offset, dtype=torch.uint8, device=device)
+        for meta, (_, t) in zip(metas, pending, strict=True):
+            buffer[meta.offset : meta.offset + meta.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+        bucket = WeightBucket(version, index, tuple(metas), buffer, buffer_checksum(buffer), last)
+        pending, size, index = [], 0, index + 1
+        return bucket
+
+    items = iter(named_tensors)
+    current = next(items, None)
+    while current is not None:
+        nxt = next(items, None)
+        name, t = current
+        nbytes = _align(t.numel() * t.element_size())
+        if pending and size + nbytes > bucket_bytes:
+            yield flush(last=False)
+        pending.append((name, t))
+        size += nbytes
+        current = nxt
+    yield flush(last=True)
+
+
+def _align(n: int) -> int:
+    return (n + BUCKET_ALIGNMENT - 1) // BUCKET_ALIGNMENT * BUCKET_ALIGNMENT
