@@ -216,7 +216,7 @@ class AsyncflowPluginManager(pluggy.PluginManager):
             from asyncflow_core.config.errors import format_validation_error
 
             prefix = where or f"options of {PluginKind(kind).value} {name!r}"
-            raise ConfigError(format_validation_error(exc, prefix=prefix)) from None
+            raise ConfigError(format_validation_error(exc, prefix=prefix, model=record.config_model)) from None
 
     def create(
         self, kind: PluginKind | str, name: str, options: Mapping[str, Any] | BaseModel | None = None

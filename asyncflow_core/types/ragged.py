@@ -131,7 +131,7 @@ class RaggedTensor:
                 stop = max(start, stop)
                 lo, hi = int(self.offsets[start]), int(self.offsets[stop])
                 return RaggedTensor(self.values[lo:hi], self.offsets[start : stop + 1] - lo)
-            return self.select(torch.arange(start, stop, step, dtype=torch.int64))
+            return self.select(torch.tensor(list(range(start, stop, step)), dtype=torch.int64))
         return self.select(torch.as_tensor(index, dtype=torch.int64))
 
     def select(self, index: torch.Tensor) -> RaggedTensor:

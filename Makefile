@@ -1,0 +1,31 @@
+# Two commands for a fresh machine:  `make demo`  and  `make test`.
+# Both create the virtual environment themselves. torch is installed first and
+# pinned, so that on a CPU-only machine pip takes the local CPU wheel instead of
+# resolving a multi-GB CUDA build; override TORCH on a GPU machine if you like.
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+EXTRAS ?= test
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv clean
+
+$(STAMP): pyproject.toml spec/pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[$(EXTRAS)]" -e ./spec
+	touch $@
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/asyncflow plugins
+	$(VENV)/bin/asyncflow config validate examples/toy_grpo.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The ``asyncflow`` command line."""

@@ -1,0 +1,202 @@
+"""``asyncflow``: plugins, config and spec commands.
+
+User mistakes (a bad config, an unknown plugin) print one line to stderr and
+exit non-zero; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from asyncflow_core.errors import AsyncflowError, UnknownPluginError
+from asyncflow_core.plugins import PluginKind, get_plugin_manager
+
+app = typer.Typer(
+    name="asyncflow",
+    help="Asynchronous, streaming RL post-training of LLMs.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+config_app = typer.Typer(help="Show or validate a run config.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+
+# a pipe gets a wide table instead of rich's 80-column fallback
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, soft_wrap=True)
+
+
+def _features_text(features: Any) -> str:
+    if features is None:
+        return ""
+    parts = []
+    for name, value in features.model_dump().items():
+        if isinstance(value, bool):
+            if value:
+                parts.append(name.removeprefix("supports_"))
+        elif isinstance(value, (list, tuple)):
+            parts.append(f"{name.removeprefix('weight_')}={','.join(map(str, value))}")
+        else:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+@app.command("plugins")
+def plugins_cmd(
+    kind: Annotated[str | None, typer.Option(help="Only this kind (e.g. rollout_engine).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List every discovered plugin: kind, name, distribution and version, features."""
+    pm = get_plugin_manager()
+    if kind is not None:
+        try:
+            PluginKind(kind)
+        except ValueError:
+            raise typer.BadParameter(f"unknown kind {kind!r}; kinds: {', '.join(k.value for k in PluginKind)}") from None
+    rows = [r for r in pm.all_registrations() if kind is None or r.kind.value == kind]
+    if as_json:
+        payload = [
+            {
+                "kind": r.kind.value,
+                "name": r.name,
+                "distribution": r.distribution,
+                "version": r.version,
+                "plugin": r.plugin,
+                "description": r.record.description,
+                "features": r.record.declared_features.model_dump(mode="json") if r.record.declared_features else None,
+            }
+            for r in rows
+        ]
+        print(json.dumps(payload, indent=2))
+        return
+    table = Table(title="asyncflow plugins", show_lines=False)
+    for col in ("kind", "name", "distribution", "features", "description"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(
+            r.kind.value,
+            r.name,
+            f"{r.distribution} {r.version}",
+            _features_text(r.record.declared_features),
+            r.record.description,
+        )
+    out.print(table)
+    missing = [k.value for k in PluginKind if not pm.registrations(k)]
+    if missing and kind is None:
+        out.print(f"[dim]no plugin installed for: {', '.join(missing)}[/dim]")
+
+
+@config_app.command("show")
+def config_show(
+    file: Annotated[Path, typer.Argument(help="YAML run config.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.total_steps=100.")] = None,
+) -> None:
+    """Print the validated config with every default (plugin options included) filled in."""
+    from asyncflow_core.config import load_config, resolve
+
+    resolved = resolve(load_config(file, overrides or []))
+    print(yaml.safe_dump(resolved.dump(), sort_keys=False), end="")
+    for section, why in resolved.unchecked.items():
+        err.print(f"note: {section} not checked: {why}")
+
+
+@config_app.command("validate")
+def config_validate(
+    file: Annotated[Path, typer.Argument(help="YAML run config.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.total_steps=100.")] = None,
+) -> None:
+    """Check a config (and every plugin's options); exit 0 when valid, 2 with the reason when not."""
+    from asyncflow_core.config import load_config, resolve
+
+    resolved = resolve(load_config(file, overrides or []))
+    for section, why in resolved.unchecked.items():
+        err.print(f"note: {section} not checked: {why}")
+    out.print(f"{file}: valid")
+
+
+@app.command(
+    "spec",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def spec_cmd(
+    ctx: typer.Context,
+    plugin: Annotated[str, typer.Argument(help="Registered name of the backend to test.")],
+    kind: Annotated[str | None, typer.Option(help="Kind, when the name is registered for several kinds.")] = None,
+    option: Annotated[
+        list[str] | None, typer.Option("--option", "-o", help="Backend option key=value (YAML value); repeatable.")
+    ] = None,
+) -> None:
+    """Run the conformance suite against an installed plugin. Extra arguments go to pytest."""
+    pm = get_plugin_manager()
+    try:
+        import asyncflow_spec  # noqa: F401
+    except ImportError:
+        raise AsyncflowError("the conformance suite is not installed: pip install asyncflow-spec") from None
+    from asyncflow_spec import SPEC_CLASSES
+
+    kinds = [PluginKind(kind)] if kind else [k for k in PluginKind if plugin in pm.registrations(k)]
+    if not kinds:
+        known = sorted({r.name for r in pm.all_registrations()})
+        raise UnknownPluginError(f"no plugin named {plugin!r}; installed: {', '.join(known) or 'none'}")
+    if len(kinds) > 1:
+        raise AsyncflowError(
+            f"{plugin!r} is registered as {', '.join(k.value for k in kinds)}; pick one with --kind"
+        )
+    kind_ = kinds[0]
+    pm.lookup(kind_, plugin)
+    spec_class = SPEC_CLASSES.get(kind_)
+    if spec_class is None:
+        raise AsyncflowError(f"the conformance suite has no tests for {kind_.value} backends yet")
+    from asyncflow_core.config import parse_override
+
+    options: dict[str, Any] = {}
+    for text in option or []:
+        parts, value = parse_override(text)
+        node = options
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    pm.validate_options(kind_, plugin, options, where="--option")
+    with tempfile.TemporaryDirectory(prefix="asyncflow-spec-") as tmp:
+        module = Path(tmp) / f"test_spec_{kind_.value}.py"
+        module.write_text(
+            textwrap.dedent(
+                f"""\
+                from asyncflow_spec import {spec_class.__name__}
+
+
+                class TestConformance({spec_class.__name__}):
+                    backend = {plugin!r}
+                    options = {options!r}
+                """
+            )
+        )
+        cmd = [sys.executable, "-m", "pytest", str(module), "-p", "no:cacheprovider", "-q", *ctx.args]
+        env = dict(os.environ)
+        result = subprocess.run(cmd, cwd=tmp, env=env, check=False)
+    raise typer.Exit(result.returncode)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: usage errors are click's; AsyncflowError becomes one line and an exit code."""
+    try:
+        app(args=argv)  # standalone: click prints its own usage errors and exits
+    except AsyncflowError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

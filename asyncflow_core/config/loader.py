@@ -1,0 +1,156 @@
+"""Load a run config from YAML plus dotted command-line overrides, and resolve its plugins."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from asyncflow_core.config.errors import format_validation_error
+from asyncflow_core.config.models import COMPONENT_SECTIONS, Component, RunConfig
+from asyncflow_core.errors import ConfigError, PluginError
+from asyncflow_core.plugins import AsyncflowPluginManager, PluginKind, Registered, get_plugin_manager
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"trainer.options.lr=1e-5"`` -> ``(["trainer", "options", "lr"], 1e-05)``; the value is parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} must look like section.field=value (e.g. trainer.total_steps=100)")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"override {text!r} has an empty path component in {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({exc.problem})") from None
+    return parts, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Set each dotted override in (a copy of) ``data``; intermediate mappings are created as needed."""
+    result = _deep_copy(data)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {text!r}: {where} is {child!r}, not a section with fields")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Parse a YAML file into a mapping; every failure is a one-line :class:`ConfigError`."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config path {str(path)!r} is a directory; give a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *, data: Mapping[str, Any] | None = None) -> RunConfig:
+    """Validate a run config from a YAML file (or ``data``) with ``overrides`` applied.
+
+    Raises :class:`ConfigError` whose message names each bad field, the bad
+    value and what is allowed. Plugin options are checked by :func:`resolve`.
+    """
+    raw = read_yaml(path) if path is not None else dict(data or {})
+    raw = apply_overrides(raw, overrides)
+    source = f"{path}: " if path is not None else ""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(source + format_validation_error(exc, model=RunConfig)) from None
+
+
+@dataclass(frozen=True)
+class ResolvedComponent:
+    """A component section bound to its plugin: the registration and the validated options."""
+
+    section: str
+    registered: Registered
+    options: BaseModel
+
+    def create(self) -> Any:
+        """Build the backend from its factory."""
+        return self.registered.record.factory(self.options)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A run config whose every component was found and whose options were validated."""
+
+    config: RunConfig
+    components: dict[str, ResolvedComponent]
+    unchecked: dict[str, str] = field(default_factory=dict)  #: section -> why it was not checked
+
+    def dump(self) -> dict[str, Any]:
+        """The full config with defaults filled in, plugin options included (for ``config show``)."""
+        out = self.config.model_dump(mode="json", by_alias=True)
+        for section, comp in self.components.items():
+            out[section]["options"] = comp.options.model_dump(mode="json")
+        return out
+
+
+def resolve(config: RunConfig, pm: AsyncflowPluginManager | None = None) -> ResolvedConfig:
+    """Look up each component's plugin and validate its options with the plugin's config model.
+
+    All problems are collected into one :class:`ConfigError`. A section whose
+    kind has no plugin installed at all is listed in ``unchecked`` instead
+    (e.g. no launcher plugin installed in a minimal environment).
+    """
+    pm = pm or get_plugin_manager()
+    components: dict[str, ResolvedComponent] = {}
+    unchecked: dict[str, str] = {}
+    problems: list[str] = []
+    for section, kind_name in COMPONENT_SECTIONS.items():
+        kind = PluginKind(kind_name)
+        comp: Component = getattr(config, section)
+        if not pm.registrations(kind):
+            unchecked[section] = f"no {kind.value} plugin is installed"
+            continue
+        try:
+            registered = pm.lookup(kind, comp.name)
+            options = pm.validate_options(kind, comp.name, comp.options, where=f"{section}.options")
+        except (ConfigError, PluginError) as exc:
+            problems.append(f"{section}.name: {exc}" if isinstance(exc, PluginError) else str(exc))
+            continue
+        components[section] = ResolvedComponent(section, registered, options)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return ResolvedConfig(config, components, unchecked)

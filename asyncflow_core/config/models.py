@@ -1,0 +1,219 @@
+"""The run configuration: one pydantic model per section, strict, documented field by field.
+
+A *component* section (rollout, trainer, store, sampler, weight_transport,
+algorithm, reward, data, launcher) names a plugin with ``name`` and passes it
+``options``, which are validated by the config model that plugin registered
+(see :func:`asyncflow_core.config.resolve`). Generic fields that every
+backend of a kind shares (batch sizes, sampling parameters, staleness) live
+beside them, so switching engines never changes them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StrictModel(BaseModel):
+    """Base of every config model: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class Component(StrictModel):
+    """A plugin choice: its registered ``name`` and its ``options``."""
+
+    name: str = Field(description="Registered plugin name (see `asyncflow plugins`).")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Options for the plugin, validated by the config model it registered."
+    )
+
+
+class ModelConfig(StrictModel):
+    """The policy model."""
+
+    path: str | None = Field(None, description="Local Hugging Face checkpoint directory to load.")
+    hf_config: dict[str, Any] | None = Field(
+        None, description="A Hugging Face model config to build with random weights (tests, toy runs)."
+    )
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="Parameter dtype.")
+    trust_remote_code: bool = Field(False, description="Allow model code shipped in the checkpoint to run.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path is not None and self.hf_config is not None:
+            raise ValueError("set either model.path or model.hf_config, not both")
+        return self
+
+
+class DataConfig(Component):
+    """Prompt dataset and how it is consumed."""
+
+    name: str = Field("jsonl", description="Dataset plugin name.")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per optimizer step (B); each yields `rollout.n` samples.")
+    shuffle: bool = Field(True, description="Visit prompts in a seeded random order (reshuffled every epoch).")
+    epochs: int = Field(1, ge=1, description="Passes over the dataset before the stream ends.")
+
+
+class RolloutConfig(Component):
+    """Inference engine replicas and how they sample."""
+
+    name: str = Field("toy", description="Rollout engine plugin name.")
+    replicas: int = Field(1, ge=1, description="Engine replicas serving rollouts.")
+    n: int = Field(4, ge=1, description="Samples per prompt (the group size for group-based advantages).")
+    max_new_tokens: int = Field(64, ge=1, description="Cap on generated tokens per sample.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used by the trainer's log-probs).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, ge=-1, description="Top-k cut-off; -1 disables it.")
+
+    @model_validator(mode="after")
+    def _top_k(self) -> RolloutConfig:
+        if self.top_k == 0:
+            raise ValueError("rollout.top_k must be -1 (off) or >= 1")
+        return self
+
+
+class TrainerConfig(Component):
+    """Training engine and the step schedule."""
+
+    name: str = Field("toy", description="Train engine plugin name.")
+    total_steps: int = Field(10, ge=1, description="Optimizer steps to run.")
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Token budget of one micro-batch (packing is token-balanced)."
+    )
+    checkpoint_every: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps; 0 disables.")
+
+
+class StoreConfig(Component):
+    """The streaming store deployment."""
+
+    name: str = Field("inprocess", description="Store plugin name (inprocess, multiprocess, distributed, ray).")
+
+
+class SamplerConfig(Component):
+    """How the trainer's batches are picked from ready rows."""
+
+    name: str = Field("group", description="Sampler plugin name (fifo, group, token_balanced, similar_length).")
+
+
+class TransportConfig(Component):
+    """How new weights reach the rollout engines."""
+
+    name: str = Field("inprocess", description="Weight transport plugin name.")
+    bucket_mb: float = Field(64.0, gt=0, description="Size of one weight bucket in MiB.")
+    deadline_s: float = Field(300.0, gt=0, description="A transfer not finished by then fails with a reason.")
+
+
+class AlgorithmConfig(Component):
+    """Advantage estimator and policy loss."""
+
+    name: str = Field("grpo", description="Algorithm plugin name.")
+
+
+class RewardConfig(Component):
+    """How samples are scored."""
+
+    name: str = Field(description="Reward plugin name.")
+    workers: int = Field(2, ge=1, description="Concurrent reward evaluations.")
+    timeout_s: float = Field(60.0, gt=0, description="A reward not returned by then marks its sample failed.")
+
+
+class AsyncMode(str, enum.Enum):
+    """How far rollout may run ahead of training."""
+
+    SYNC = "sync"  #: k = 0, rollout and training time-share the devices: the on-policy baseline
+    ONE_STEP = "one_step"  #: k = 1: the delayed parameter update of the AsyncFlow paper
+    ASYNC = "async"  #: any k >= 1, partial rollout on
+
+
+class StalePolicy(str, enum.Enum):
+    """What happens to a row that would break the staleness bound."""
+
+    REQUEUE = "requeue"  #: abort and re-queue it (partial rollout), keeping tokens when the engine can resume
+    DROP = "drop"  #: drop it (counted in the metrics)
+
+
+_MODE_STALENESS = {AsyncMode.SYNC: 0, AsyncMode.ONE_STEP: 1}
+
+
+class AsyncConfig(StrictModel):
+    """Producer-consumer asynchrony and its staleness bound."""
+
+    mode: AsyncMode = Field(AsyncMode.ONE_STEP, description="sync (k=0), one_step (k=1) or async (any k>=1).")
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="k: a row trains the update producing v+1 only if v - min_version <= k. "
+        "Implied by mode for sync (0) and one_step (1); required for async.",
+    )
+    stale_policy: StalePolicy = Field(StalePolicy.REQUEUE, description="Fate of rows that fall outside the bound.")
+
+    @model_validator(mode="after")
+    def _staleness_matches_mode(self) -> AsyncConfig:
+        implied = _MODE_STALENESS.get(self.mode)
+        if implied is not None:
+            if self.max_staleness is not None and self.max_staleness != implied:
+                raise ValueError(
+                    f"mode {self.mode.value} means max_staleness={implied}, got {self.max_staleness}; "
+                    "use mode: async for another bound"
+                )
+            object.__setattr__(self, "max_staleness", implied)
+        elif self.max_staleness is None or self.max_staleness < 1:
+            raise ValueError("mode async needs max_staleness >= 1 (use mode: sync for 0)")
+        return self
+
+    @property
+    def k(self) -> int:
+        """The staleness bound in force."""
+        assert self.max_staleness is not None  # set by the validator
+        return self.max_staleness
+
+
+class LauncherConfig(Component):
+    """Where the roles run."""
+
+    name: str = Field("local", description="Launcher plugin name (local: one process; ray: a Ray cluster).")
+
+
+class LoggingConfig(StrictModel):
+    """Where metrics and traces go."""
+
+    run_dir: str = Field("runs/{name}", description="Directory for metrics, traces and checkpoints; {name} is the run name.")
+    level: str = Field("INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="Log level.")
+    tensorboard: bool = Field(False, description="Also write TensorBoard event files (needs tensorboard).")
+    wandb_project: str | None = Field(None, description="Also log to this W&B project (needs wandb).")
+
+
+class RunConfig(StrictModel):
+    """A whole run: every section of an asyncflow YAML file."""
+
+    name: str = Field("asyncflow-run", description="Run name (used in run_dir and logs).")
+    seed: int = Field(0, description="Seed for data order, sampling and initial weights.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt dataset.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Inference engines.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="Training engine.")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="Streaming store.")
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="Trainer batch sampler.")
+    weight_transport: TransportConfig = Field(default_factory=TransportConfig, description="Weight transport.")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL algorithm.")
+    reward: RewardConfig = Field(description="Reward.")
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Asynchrony and staleness.")
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="Launcher.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and traces.")
+
+
+#: Component sections and the plugin kind each names.
+COMPONENT_SECTIONS: dict[str, str] = {
+    "data": "dataset",
+    "rollout": "rollout_engine",
+    "trainer": "train_engine",
+    "store": "store",
+    "sampler": "sampler",
+    "weight_transport": "weight_transport",
+    "algorithm": "algorithm",
+    "reward": "reward",
+    "launcher": "launcher",
+}
