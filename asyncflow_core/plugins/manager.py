@@ -215,7 +215,7 @@ class AsyncflowPluginManager(pluggy.PluginManager):
         except ValidationError as exc:
             from asyncflow_core.config.errors import format_validation_error
 
-            prefix = where or f"options of {PluginKind(kind).value} {name!r}"
+            prefix = where or f"{PluginKind(kind).value} {name!r} options"
             raise ConfigError(format_validation_error(exc, prefix=prefix, model=record.config_model)) from None
 
     def create(
