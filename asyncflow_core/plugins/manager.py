@@ -23,6 +23,7 @@ from asyncflow_core.plugins.types import RECORD_TYPES, PluginKind, Registered, R
 BUILTIN_PLUGINS: tuple[str, ...] = (
     "asyncflow_plugins.samplers",
     "asyncflow_core.store.plugin",
+    "asyncflow_core.store.deployments.plugin",
     "asyncflow_plugins.transports",
     "asyncflow_plugins.toy",
     "asyncflow_plugins.algorithms",

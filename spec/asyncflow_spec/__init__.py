@@ -17,6 +17,7 @@ from asyncflow_spec.base import BackendSpec, expect_unsupported, forbid, require
 from asyncflow_spec.dataset import DatasetSpec
 from asyncflow_spec.reward import RewardSpec
 from asyncflow_spec.rollout import RolloutEngineSpec
+from asyncflow_spec.store import StoreSpec
 from asyncflow_spec.train import TrainEngineSpec
 from asyncflow_spec.transport import WeightTransportSpec
 
@@ -37,6 +38,7 @@ __all__ = [
     "DatasetSpec",
     "RewardSpec",
     "RolloutEngineSpec",
+    "StoreSpec",
     "TrainEngineSpec",
     "WeightTransportSpec",
     "expect_unsupported",

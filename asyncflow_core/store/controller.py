@@ -1,0 +1,935 @@
+"""The store's control plane: which rows exist, what is ready, who holds what.
+
+:class:`Controller` is synchronous, single-threaded and holds no column data:
+deployments wrap it (in-process under a lock, or behind an RPC server / a Ray
+actor) and pair it with one or more :class:`~asyncflow_core.store.storage.StorageUnit`.
+Every argument and result is picklable (tensors, numbers, strings, tuples,
+:class:`~asyncflow_core.interfaces.BatchMeta`), and time is always passed in
+(``now``), so a remote controller and a test with a fake clock behave alike.
+
+Public methods (stable):
+
+- ``register_task(task, consumes=(), produces=())``
+- ``add_rows(n, partition="default", group_ids=None) -> Tensor``  (new row ids; ``StoreFullError``)
+- ``check_rows(row_ids) -> None``  (``UnknownRowError`` unless all live)
+- ``mark_ready(row_ids, columns, versions=None, num_tokens=None)``
+- ``validate_request(task, columns, batch_size, dp_rank=0, dp_size=1, lease_s=None)``
+- ``try_lease(task, columns, batch_size, sampler, min_version, partition, partial, lease_s,
+  consumer, dp_rank, dp_size, now) -> BatchMeta | None``
+- ``is_end_of_stream(task, columns, min_version=None, partition=None) -> bool``
+- ``ack(lease_id, now=None) -> int`` / ``release(lease_id, now=None) -> int``
+- ``expire(now) -> tuple[list[int], float | None]``  (expired lease ids, next deadline)
+- ``next_deadline() -> float | None``
+- ``declare_dead(consumer) -> int``
+- ``end_stream(partition=None)`` / ``stream_ended(partition=None) -> bool``
+- ``gc(row_ids=None) -> Tensor``  (dropped row ids, for storage to free)
+- ``clear(partition=None) -> Tensor``  (dropped row ids)
+- ``state_dict() -> dict`` / ``load_state_dict(state)``  (outstanding leases come back free)
+- ``lease_info(lease_id) -> dict | None``; module function ``normalize_versions(versions, n)``
+- ``stats() -> dict[str, int]``
+- properties ``capacity``, ``num_live``, ``tasks``
+
+Layout: per row, flat tensors in arrival order (row ids increase with the
+slot, so a row id is found by binary search and candidates come out oldest
+first without sorting); a ready bitmask per row (63 columns per int64 word);
+per task an int8 state (free/leased/done) and an int64 lease id. Dropped rows
+are marked dead and compacted away once they are the majority, so ``gc`` is
+O(rows acknowledged) and compaction is amortised.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncflow_core.interfaces.sampler import Candidates, Sampler, SampleRequest
+from asyncflow_core.interfaces.store import BatchMeta
+from asyncflow_core.store.errors import (
+    InvalidRequestError,
+    LeaseError,
+    StoreFullError,
+    UnknownColumnError,
+    UnknownRowError,
+)
+
+FREE, LEASED, DONE = 0, 1, 2
+_BITS_PER_WORD = 63  # keep clear of the sign bit so masks stay plain positive Python ints
+_FINISHED_LEASES_KEPT = 65536  # how many finished lease ids we remember, to explain a late ack
+_MIN_COMPACT = 256
+_SCAN_CHUNK = 1 << 16  # rows scanned per step when looking for the oldest candidates
+
+
+@dataclass
+class _Task:
+    index: int
+    consumes: tuple[str, ...]
+    produces: tuple[str, ...]
+
+    @property
+    def is_consumer(self) -> bool:
+        return bool(self.consumes)
+
+
+@dataclass
+class _Lease:
+    task: str
+    row_ids: torch.Tensor
+    columns: tuple[str, ...]
+    deadline: float
+    consumer: str | None
+    lease_s: float
+    reserved: bool = False  # a DP part formed for a rank that has not claimed it yet
+
+
+@dataclass
+class _DPRound:
+    """One global pick split across ``dp_size`` ranks; ``parts[r]`` is rank r's lease id (None once claimed)."""
+
+    parts: list[int | None] = field(default_factory=list)
+
+
+def _as_ids(row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    return torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+
+
+def normalize_versions(versions: torch.Tensor | Sequence | None, n: int) -> torch.Tensor | None:
+    """``versions`` as an [n, 2] int64 (min, max) tensor; a 1-D [n] tensor means min == max.
+
+    Raises ``InvalidRequestError`` for a wrong shape, negative versions or min > max.
+    """
+    if versions is None:
+        return None
+    v = torch.as_tensor(versions, dtype=torch.int64)
+    if v.dim() == 1:
+        v = torch.stack([v, v], dim=1)
+    if tuple(v.shape) != (n, 2):
+        raise InvalidRequestError(
+            f"versions must have shape [{n}, 2] (min and max policy version per row) or [{n}], got {tuple(v.shape)}"
+        )
+    if bool((v < 0).any()) or bool((v[:, 0] > v[:, 1]).any()):
+        raise InvalidRequestError("versions must be non-negative with min <= max per row")
+    return v
+
+
+def _grow(t: torch.Tensor, cap: int, fill: int = 0) -> torch.Tensor:
+    out = torch.full((cap, *t.shape[1:]), fill, dtype=t.dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+class Controller:
+    """Row bookkeeping for one store: readiness, per-task leases, versions, capacity and end of stream.
+
+    ``capacity`` bounds live rows (rows put and not yet collected).
+    ``group_size`` is reported to samplers as :attr:`Candidates.group_size`
+    (rows per complete prompt group; 0 = ungrouped / unknown).
+    ``sampler_options`` maps a sampler name to its options when the
+    controller builds it through the plugin manager. ``max_candidates``
+    bounds how many eligible rows (the oldest) a sampler sees per call, at
+    least ``4 * batch_size``; 0 means all. It keeps ``try_lease`` in
+    milliseconds when 10^6 rows are ready.
+    """
+
+    def __init__(
+        self,
+        capacity: int = 65536,
+        *,
+        group_size: int = 0,
+        sampler_options: dict[str, dict[str, Any]] | None = None,
+        default_sampler: str = "fifo",
+        default_lease_s: float = 600.0,
+        max_candidates: int = 65536,
+    ) -> None:
+        if capacity < 1:
+            raise InvalidRequestError(f"capacity must be at least 1, got {capacity}")
+        self._capacity = int(capacity)
+        self._group_size = int(group_size)
+        self._sampler_options = dict(sampler_options or {})
+        self._default_sampler = default_sampler
+        self._default_lease_s = float(default_lease_s)
+        self._max_candidates = int(max_candidates)
+        self._samplers: dict[str, Sampler] = {}
+        self._reset()
+
+    # ------------------------------------------------------------------ setup
+
+    def _reset(self) -> None:
+        cap = 1024
+        self._n = 0
+        self._row_id = torch.zeros(cap, dtype=torch.int64)
+        self._alive = torch.zeros(cap, dtype=torch.bool)
+        self._partition = torch.zeros(cap, dtype=torch.int32)
+        self._group = torch.full((cap,), -1, dtype=torch.int64)
+        self._tokens = torch.zeros(cap, dtype=torch.int64)
+        self._minv = torch.full((cap,), -1, dtype=torch.int64)
+        self._maxv = torch.full((cap,), -1, dtype=torch.int64)
+        self._ready = torch.zeros((cap, 1), dtype=torch.int64)
+        self._state: list[torch.Tensor] = []
+        self._lease_of: list[torch.Tensor] = []
+        self._tasks: dict[str, _Task] = {}
+        self._columns: dict[str, int] = {}
+        self._partitions: dict[str, int] = {}
+        self._ended: set[str] = set()
+        self._ended_all = False
+        self._leases: dict[int, _Lease] = {}
+        self._finished: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._dp_rounds: dict[tuple, list[_DPRound]] = {}
+        self._next_row_id = 0
+        self._next_lease_id = 1
+        self._live = 0
+        self._dead = 0
+        self._counters = {"rows_put": 0, "rows_done": 0, "rows_dropped": 0, "leases_expired": 0, "leases_granted": 0}
+
+    @property
+    def capacity(self) -> int:
+        """Most live rows the store holds at once."""
+        return self._capacity
+
+    @property
+    def num_live(self) -> int:
+        """Rows put and not yet collected or cleared."""
+        return self._live
+
+    @property
+    def tasks(self) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+        """Registered tasks: name -> (consumes, produces)."""
+        return {name: (t.consumes, t.produces) for name, t in self._tasks.items()}
+
+    def _alloc(self) -> int:
+        return self._row_id.shape[0]
+
+    def _ensure_slots(self, needed: int) -> None:
+        cap = self._alloc()
+        if needed <= cap:
+            return
+        new = max(needed, 2 * cap)  # amortised doubling
+        self._row_id = _grow(self._row_id, new)
+        self._alive = _grow(self._alive, new)
+        self._partition = _grow(self._partition, new)
+        self._group = _grow(self._group, new, -1)
+        self._tokens = _grow(self._tokens, new)
+        self._minv = _grow(self._minv, new, -1)
+        self._maxv = _grow(self._maxv, new, -1)
+        self._ready = _grow(self._ready, new)
+        self._state = [_grow(s, new) for s in self._state]
+        self._lease_of = [_grow(s, new) for s in self._lease_of]
+
+    def _column_bit(self, name: str) -> int:
+        bit = self._columns.get(name)
+        if bit is None:
+            bit = len(self._columns)
+            self._columns[name] = bit
+            words = bit // _BITS_PER_WORD + 1
+            if words > self._ready.shape[1]:
+                extra = torch.zeros((self._ready.shape[0], words - self._ready.shape[1]), dtype=torch.int64)
+                self._ready = torch.cat([self._ready, extra], dim=1)
+        return bit
+
+    def _need_masks(self, columns: Sequence[str]) -> list[tuple[int, int]]:
+        """(word, mask) pairs a row's ready bits must cover; columns never written get a bit now (never ready)."""
+        masks: dict[int, int] = {}
+        for c in columns:
+            bit = self._column_bit(c)
+            w, b = divmod(bit, _BITS_PER_WORD)
+            masks[w] = masks.get(w, 0) | (1 << b)
+        return sorted(masks.items())
+
+    def _partition_id(self, name: str) -> int:
+        pid = self._partitions.get(name)
+        if pid is None:
+            pid = len(self._partitions)
+            self._partitions[name] = pid
+        return pid
+
+    # ------------------------------------------------------------------ tasks
+
+    def register_task(self, task: str, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
+        """Declare ``task``; registering again adds to its columns. A task that consumes columns must
+        acknowledge every row before the row is collected."""
+        if not isinstance(task, str) or not task:
+            raise InvalidRequestError(f"task must be a non-empty string, got {task!r}")
+        consumes, produces = tuple(consumes), tuple(produces)
+        for c in (*consumes, *produces):
+            if not isinstance(c, str) or not c:
+                raise InvalidRequestError(f"column names must be non-empty strings, got {c!r} for task {task!r}")
+        existing = self._tasks.get(task)
+        if existing is not None:
+            existing.consumes = tuple(dict.fromkeys((*existing.consumes, *consumes)))
+            existing.produces = tuple(dict.fromkeys((*existing.produces, *produces)))
+        else:
+            self._tasks[task] = _Task(len(self._state), consumes, produces)
+            self._state.append(torch.zeros(self._alloc(), dtype=torch.int8))
+            self._lease_of.append(torch.zeros(self._alloc(), dtype=torch.int64))
+        for c in (*consumes, *produces):
+            self._column_bit(c)
+
+    def _task(self, task: str) -> _Task:
+        t = self._tasks.get(task)
+        if t is None:
+            known = ", ".join(sorted(self._tasks)) or "none"
+            raise InvalidRequestError(
+                f"unknown task {task!r} (registered: {known}); call register_task({task!r}, consumes=...) first"
+            )
+        return t
+
+    def _produced(self) -> set[str]:
+        out: set[str] = set()
+        for t in self._tasks.values():
+            out.update(t.produces)
+        return out
+
+    # ------------------------------------------------------------------ rows
+
+    def add_rows(
+        self,
+        n: int,
+        partition: str = "default",
+        group_ids: torch.Tensor | Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Allocate ``n`` new rows in ``partition``; returns their (increasing) row ids.
+
+        Raises ``StoreFullError`` when they do not fit under ``capacity`` now,
+        ``InvalidRequestError`` when they never could or the partition's stream ended.
+        """
+        n = int(n)
+        if n < 1:
+            raise InvalidRequestError(f"add_rows needs at least one row, got {n}")
+        if n > self._capacity:
+            raise InvalidRequestError(
+                f"cannot put {n} rows into a store of capacity {self._capacity}; put fewer rows at a time "
+                "or raise the store's capacity"
+            )
+        if self._ended_all or partition in self._ended:
+            raise InvalidRequestError(
+                f"the stream of partition {partition!r} has ended (end_stream was called); no new rows can be put"
+            )
+        groups = None
+        if group_ids is not None:
+            groups = _as_ids(group_ids)
+            if groups.numel() != n:
+                raise InvalidRequestError(f"group_ids has {groups.numel()} entries for {n} rows; give one per row")
+        if self._live + n > self._capacity:
+            raise StoreFullError(
+                f"store is full: {self._live} live rows + {n} new > capacity {self._capacity}. Acknowledge or "
+                "clear rows, put with block=True to wait, or raise the capacity"
+            )
+        pid = self._partition_id(partition)
+        self._ensure_slots(self._n + n)
+        s = slice(self._n, self._n + n)
+        ids = torch.arange(self._next_row_id, self._next_row_id + n, dtype=torch.int64)
+        self._row_id[s] = ids
+        self._alive[s] = True
+        self._partition[s] = pid
+        self._group[s] = groups if groups is not None else -1
+        self._tokens[s] = 0
+        self._minv[s] = -1
+        self._maxv[s] = -1
+        self._ready[s] = 0
+        for st, lo in zip(self._state, self._lease_of, strict=True):
+            st[s] = FREE
+            lo[s] = 0
+        self._n += n
+        self._next_row_id += n
+        self._live += n
+        self._counters["rows_put"] += n
+        return ids
+
+    def _slots(self, row_ids: torch.Tensor, *, missing: str = "raise") -> torch.Tensor:
+        """Slots of live ``row_ids``; ``missing="drop"`` silently skips dead or unknown ids."""
+        ids = _as_ids(row_ids)
+        if ids.numel() == 0:
+            return ids
+        if self._n == 0:
+            ok = torch.zeros_like(ids, dtype=torch.bool)
+            pos = ids
+        else:
+            known = self._row_id[: self._n]
+            pos = torch.searchsorted(known, ids).clamp_(max=self._n - 1)
+            ok = (known[pos] == ids) & self._alive[pos]
+        if bool(ok.all()):
+            return pos
+        if missing == "drop":
+            return pos[ok]
+        bad = ids[~ok][:8].tolist()
+        raise UnknownRowError(
+            f"unknown row ids {bad}{' ...' if int((~ok).sum()) > 8 else ''}: they were never put, or were already "
+            "collected or cleared. Use the row_ids of a meta that put() or get_meta() returned"
+        )
+
+    def check_rows(self, row_ids: torch.Tensor | Sequence[int]) -> None:
+        """Raise ``UnknownRowError`` unless every id names a live row (and none repeats)."""
+        ids = _as_ids(row_ids)
+        self._slots(ids)
+        if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+            raise InvalidRequestError("row ids repeat; write each row once per call")
+
+    def mark_ready(
+        self,
+        row_ids: torch.Tensor | Sequence[int],
+        columns: Sequence[str],
+        versions: torch.Tensor | None = None,
+        num_tokens: torch.Tensor | Sequence[int] | None = None,
+    ) -> None:
+        """Set ``columns`` ready for ``row_ids``; widen their version range by ``versions`` ([n, 2] or [n]:
+        min and max policy version); set their token counts to ``num_tokens``."""
+        ids = _as_ids(row_ids)
+        slots = self._slots(ids)
+        n = ids.numel()
+        v = normalize_versions(versions, n)
+        tok = None
+        if num_tokens is not None:
+            tok = _as_ids(num_tokens)
+            if tok.numel() != n:
+                raise InvalidRequestError(f"num_tokens has {tok.numel()} entries for {n} rows")
+        for w, mask in self._need_masks(columns):
+            self._ready[slots, w] |= mask
+        if v is not None:
+            cur_min, cur_max = self._minv[slots], self._maxv[slots]
+            self._minv[slots] = torch.where(cur_min < 0, v[:, 0], torch.minimum(cur_min, v[:, 0]))
+            self._maxv[slots] = torch.maximum(cur_max, v[:, 1])
+        if tok is not None:
+            self._tokens[slots] = tok
+
+    # ------------------------------------------------------------------ leasing
+
+    def validate_request(
+        self,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        lease_s: float | None = None,
+    ) -> None:
+        """Raise the typed error a ``try_lease`` with these arguments would raise; mutates nothing."""
+        self._task(task)
+        if isinstance(columns, str):
+            raise InvalidRequestError(f"columns must be a sequence of names, got the string {columns!r}")
+        produced = self._produced()
+        unknown = [c for c in columns if c not in produced]
+        if unknown:
+            raise UnknownColumnError(
+                f"no registered task produces column(s) {unknown}; produced columns: {sorted(produced)}. "
+                "Register the producing task with register_task(..., produces=[...]) or fix the column name"
+            )
+        if not isinstance(batch_size, int) or batch_size < 1 or batch_size > self._capacity:
+            raise InvalidRequestError(
+                f"batch_size must be between 1 and the store's capacity {self._capacity}, got {batch_size!r}"
+            )
+        if dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise InvalidRequestError(f"need 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        if lease_s is not None and not lease_s > 0:
+            raise InvalidRequestError(f"lease_s must be positive, got {lease_s}")
+
+    def _sampler(self, sampler: str | Sampler | None) -> tuple[str, Sampler]:
+        if isinstance(sampler, Sampler):
+            return type(sampler).__name__, sampler
+        name = sampler or self._default_sampler
+        inst = self._samplers.get(name)
+        if inst is None:
+            from asyncflow_core.plugins import get_plugin_manager  # late: keeps the controller importable alone
+
+            inst = get_plugin_manager().create("sampler", name, self._sampler_options.get(name))
+            self._samplers[name] = inst
+        return name, inst
+
+    def _eligible(
+        self, t: _Task, columns: Sequence[str], min_version: int | None, partition: str | None, limit: int = 0
+    ) -> tuple[torch.Tensor, bool]:
+        """Slots free for the task, ready for ``columns``, inside the filters, oldest first.
+
+        With ``limit > 0`` the scan stops once the ``limit`` oldest are found
+        (it goes chunk by chunk from the oldest row), so a store holding 10^6
+        ready rows costs one chunk, not a full pass. Returns (slots, truncated).
+        """
+        n = self._n
+        empty = torch.empty(0, dtype=torch.int64)
+        if partition is not None and partition not in self._partitions:
+            return empty, False
+        needs = self._need_masks(columns)
+        pid = self._partitions[partition] if partition is not None else None
+        state = self._state[t.index]
+        chunk = n if limit <= 0 else max(_SCAN_CHUNK, limit)
+        found: list[torch.Tensor] = []
+        total = 0
+        for lo in range(0, n, max(chunk, 1)):
+            hi = min(n, lo + chunk)
+            mask = state[lo:hi] == FREE
+            mask &= self._alive[lo:hi]
+            for w, need in needs:
+                mask &= (self._ready[lo:hi, w] & need) == need
+            if min_version is not None:
+                mask &= self._minv[lo:hi] >= min_version
+            if pid is not None:
+                mask &= self._partition[lo:hi] == pid
+            idx = mask.nonzero().squeeze(1)
+            if lo:
+                idx += lo
+            found.append(idx)
+            total += idx.numel()
+            if limit > 0 and total >= limit:
+                slots = torch.cat(found) if len(found) > 1 else found[0]
+                return slots[:limit], total > limit or hi < n
+        if not found:
+            return empty, False
+        return (torch.cat(found) if len(found) > 1 else found[0]), False
+
+    def _candidates(self, slots: torch.Tensor) -> Candidates:
+        # index_select, not advanced indexing: several times faster on 10^6-row gathers
+        groups = self._group.index_select(0, slots)
+        n = groups.numel()
+        gmax = int(groups.max()) if n else -1
+        if gmax < 0:
+            group_ready = torch.zeros(n, dtype=torch.int64)
+        elif gmax < 4 * n + 4096:  # dense ids (prompt indices): a bincount is O(n); bin 0 collects ungrouped rows
+            shifted = groups + 1
+            counts = torch.bincount(shifted, minlength=gmax + 2)
+            counts[0] = 0
+            group_ready = counts.index_select(0, shifted)
+        else:
+            _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
+            group_ready = torch.where(groups >= 0, counts.index_select(0, inverse), 0)
+        return Candidates(
+            row_ids=self._row_id.index_select(0, slots),
+            group_ids=groups,
+            num_tokens=self._tokens.index_select(0, slots),
+            min_version=self._minv.index_select(0, slots),
+            group_ready=group_ready,
+            group_size=self._group_size,
+        )
+
+    def _blocking_count(self, t: _Task, columns: Sequence[str], min_version: int | None, partition: str | None) -> int:
+        """Rows that are (or may become) leasable for the request: alive, not done, not ruled out by versions."""
+        n = self._n
+        if partition is not None and partition not in self._partitions:
+            return 0
+        mask = self._alive[:n] & (self._state[t.index][:n] != DONE)
+        if partition is not None:
+            mask &= self._partition[:n] == self._partitions[partition]
+        if min_version is not None:
+            ready = torch.ones(n, dtype=torch.bool)
+            for w, need in self._need_masks(columns):
+                ready &= (self._ready[:n, w] & need) == need
+            # a row with no version yet may still receive one when a missing column is written
+            mask &= (self._minv[:n] >= min_version) | ((self._minv[:n] < 0) & ~ready)
+        return int(mask.sum())
+
+    def stream_ended(self, partition: str | None = None) -> bool:
+        """Whether no new rows can arrive (in ``partition``, or anywhere for ``None``)."""
+        if self._ended_all:
+            return True
+        if partition is not None:
+            return partition in self._ended
+        return bool(self._partitions) and all(p in self._ended for p in self._partitions)
+
+    def is_end_of_stream(
+        self, task: str, columns: Sequence[str], min_version: int | None = None, partition: str | None = None
+    ) -> bool:
+        """The stream ended and no row can ever become ready and free for this request."""
+        t = self._task(task)
+        return self.stream_ended(partition) and self._blocking_count(t, columns, min_version, partition) == 0
+
+    def try_lease(
+        self,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        sampler: str | Sampler | None = None,
+        min_version: int | None = None,
+        partition: str | None = None,
+        partial: bool = False,
+        lease_s: float | None = None,
+        consumer: str | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        now: float = 0.0,
+    ) -> BatchMeta | None:
+        """Lease rows to ``task`` if the sampler can form a batch; ``None`` means "not yet, wait".
+
+        Returns an empty meta with ``end_of_stream=True`` once the stream has
+        ended and no row can become leasable for this request. After the end,
+        a batch smaller than ``batch_size`` is handed out (as if ``partial``)
+        when nothing else can arrive.
+
+        Data parallel (``dp_size > 1``): the first rank to ask forms one global
+        pick (the sampler is called once per rank on the same candidates, so
+        a deterministic sampler splits one pick into disjoint parts) and every
+        part is leased at once; rank ``r`` then claims part ``r`` of the
+        oldest round it has not claimed yet. Unclaimed parts expire like any
+        lease, so a rank that never comes back loses no rows.
+        """
+        columns = tuple(columns)
+        lease_s = self._default_lease_s if lease_s is None else float(lease_s)
+        self.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s)
+        t = self._tasks[task]
+        sampler_name, smp = self._sampler(sampler)
+        if dp_size > 1:
+            key = (task, columns, sampler_name, min_version, partition, batch_size, dp_size)
+            claimed = self._claim_dp_part(key, dp_rank, consumer, lease_s, now)
+            if claimed is not None:
+                return claimed
+        limit = max(self._max_candidates, 4 * batch_size) if self._max_candidates > 0 else 0
+        slots, truncated = self._eligible(t, columns, min_version, partition, limit)
+        cands = self._candidates(slots)
+        ended = self.stream_ended(partition)
+        parts = self._sample(smp, cands, batch_size, partial, dp_size)
+        if not any(p.numel() for p in parts) and ended:
+            blocking = self._blocking_count(t, columns, min_version, partition)
+            if blocking == 0:
+                return self._eos_meta(task, columns)
+            if blocking == len(cands) and not truncated and not partial:
+                # nothing else can ever arrive: hand out the remainder
+                parts = self._sample(smp, cands, batch_size, True, dp_size)
+                if not any(p.numel() for p in parts):
+                    return self._eos_meta(task, columns)  # the sampler can never use what is left
+        if not any(p.numel() for p in parts):
+            return None
+        if dp_size == 1:
+            return self._grant(task, columns, slots[parts[0]], consumer, lease_s, now, cands, parts[0], dp_rank=0)
+        rnd = _DPRound()
+        mine: BatchMeta | None = None
+        for r, pos in enumerate(parts):
+            if pos.numel() == 0:
+                rnd.parts.append(None)
+                continue
+            meta = self._grant(
+                task, columns, slots[pos], consumer if r == dp_rank else None, lease_s, now, cands, pos,
+                dp_rank=r, reserved=r != dp_rank,
+            )
+            if r == dp_rank:
+                mine = meta
+                rnd.parts.append(None)
+            else:
+                rnd.parts.append(meta.lease_id)
+        if any(p is not None for p in rnd.parts):
+            self._dp_rounds.setdefault(key, []).append(rnd)
+        return mine
+
+    def _sample(
+        self, smp: Sampler, cands: Candidates, batch_size: int, partial: bool, dp_size: int
+    ) -> list[torch.Tensor]:
+        if len(cands) == 0 and not partial:
+            return [torch.empty(0, dtype=torch.int64)] * dp_size
+        parts = []
+        for r in range(dp_size):
+            pos = torch.as_tensor(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size)), dtype=torch.int64)
+            parts.append(pos.reshape(-1))
+        allpos = torch.cat(parts)
+        if allpos.numel():
+            if int(allpos.min()) < 0 or int(allpos.max()) >= len(cands):
+                raise InvalidRequestError(f"sampler {type(smp).__name__} returned positions outside the candidates")
+            if torch.unique(allpos).numel() != allpos.numel():
+                raise InvalidRequestError(
+                    f"sampler {type(smp).__name__} returned a row twice (or to two DP ranks); parts must be disjoint"
+                )
+            if allpos.numel() > batch_size:
+                raise InvalidRequestError(
+                    f"sampler {type(smp).__name__} returned {allpos.numel()} rows for batch_size {batch_size}"
+                )
+        return parts
+
+    def _grant(
+        self,
+        task: str,
+        columns: tuple[str, ...],
+        slots: torch.Tensor,
+        consumer: str | None,
+        lease_s: float,
+        now: float,
+        cands: Candidates,
+        pos: torch.Tensor,
+        *,
+        dp_rank: int,
+        reserved: bool = False,
+    ) -> BatchMeta:
+        t = self._tasks[task]
+        lid = self._next_lease_id
+        self._next_lease_id += 1
+        self._state[t.index][slots] = LEASED
+        self._lease_of[t.index][slots] = lid
+        row_ids = cands.row_ids[pos]
+        deadline = now + lease_s
+        self._leases[lid] = _Lease(task, row_ids, columns, deadline, consumer, lease_s, reserved)
+        self._counters["leases_granted"] += 1
+        return self._meta(lid, self._leases[lid], slots, dp_rank)
+
+    def _meta(self, lid: int, lease: _Lease, slots: torch.Tensor, dp_rank: int) -> BatchMeta:
+        return BatchMeta(
+            row_ids=lease.row_ids.clone(),
+            columns=lease.columns,
+            task=lease.task,
+            lease_id=lid,
+            deadline=lease.deadline,
+            group_ids=self._group[slots].clone(),
+            min_version=self._minv[slots].clone(),
+            max_version=self._maxv[slots].clone(),
+            num_tokens=self._tokens[slots].clone(),
+            extra={"consumer": lease.consumer, "dp_rank": dp_rank},
+        )
+
+    def _claim_dp_part(
+        self, key: tuple, dp_rank: int, consumer: str | None, lease_s: float, now: float
+    ) -> BatchMeta | None:
+        rounds = self._dp_rounds.get(key)
+        if not rounds:
+            return None
+        found = None
+        for rnd in rounds:
+            lid = rnd.parts[dp_rank] if dp_rank < len(rnd.parts) else None
+            if lid is None:
+                continue
+            rnd.parts[dp_rank] = None
+            if lid in self._leases:  # an expired reservation's rows already went back to free
+                found = lid
+                break
+        self._dp_rounds[key] = [r for r in rounds if any(p is not None for p in r.parts)]
+        if not self._dp_rounds[key]:
+            del self._dp_rounds[key]
+        if found is None:
+            return None
+        lease = self._leases[found]
+        lease.consumer, lease.reserved = consumer, False
+        lease.deadline, lease.lease_s = now + lease_s, lease_s
+        slots = self._slots(lease.row_ids, missing="drop")
+        if slots.numel() != lease.row_ids.numel():  # some rows were cleared meanwhile
+            lease.row_ids = self._row_id[slots]
+        return self._meta(found, lease, slots, dp_rank)
+
+    def _eos_meta(self, task: str, columns: tuple[str, ...]) -> BatchMeta:
+        empty = torch.empty(0, dtype=torch.int64)
+        return BatchMeta(
+            row_ids=empty, columns=columns, task=task, group_ids=empty, min_version=empty, max_version=empty,
+            num_tokens=empty, end_of_stream=True,
+        )
+
+    # ------------------------------------------------------------------ lease outcomes
+
+    def _take_lease(self, lease_id: int, verb: str) -> _Lease:
+        lease = self._leases.get(lease_id) if isinstance(lease_id, int) else None
+        if lease is None:
+            why = self._finished.get(lease_id) if isinstance(lease_id, int) else None
+            if why is None:
+                raise LeaseError(
+                    f"cannot {verb} lease {lease_id!r}: no such lease was handed out. {verb.capitalize()} the meta "
+                    "that get_meta() returned"
+                )
+            raise LeaseError(
+                f"cannot {verb} lease {lease_id}: it was already {why}. Each lease is acknowledged or released "
+                "once, before its deadline; an expired lease's rows may already be leased to someone else"
+            )
+        return lease
+
+    def _finish(self, lease_id: int, why: str, new_state: int) -> int:
+        lease = self._leases.pop(lease_id)
+        self._finished[lease_id] = why
+        while len(self._finished) > _FINISHED_LEASES_KEPT:
+            self._finished.popitem(last=False)
+        t = self._tasks[lease.task]
+        slots = self._slots(lease.row_ids, missing="drop")
+        # only rows still held by this lease (cleared rows are gone, nothing else can hold them)
+        slots = slots[self._lease_of[t.index][slots] == lease_id]
+        self._state[t.index][slots] = new_state
+        self._lease_of[t.index][slots] = 0
+        return int(slots.numel())
+
+    def ack(self, lease_id: int, now: float | None = None) -> int:
+        """Mark the lease's rows done for its task; returns the number of rows acknowledged.
+
+        ``LeaseError`` for a second ack, an unknown lease, or a lease whose
+        deadline passed (``now >= deadline``; its rows go back to free).
+        """
+        lease = self._take_lease(lease_id, "acknowledge")
+        if now is not None and now >= lease.deadline:
+            self._finish(lease_id, "expired", FREE)
+            self._counters["leases_expired"] += 1
+            raise LeaseError(
+                f"cannot acknowledge lease {lease_id}: its deadline passed {now - lease.deadline:.3f}s ago and its "
+                "rows went back to free. Ask for a longer lease_s, or acknowledge sooner"
+            )
+        done = self._finish(lease_id, "acknowledged", DONE)
+        self._counters["rows_done"] += done
+        return done
+
+    def release(self, lease_id: int, now: float | None = None) -> int:
+        """Return the lease's rows to free for its task; returns the number of rows freed."""
+        self._take_lease(lease_id, "release")
+        return self._finish(lease_id, "released", FREE)
+
+    def expire(self, now: float) -> tuple[list[int], float | None]:
+        """Free every lease whose deadline is ``<= now``; returns (expired lease ids, earliest remaining deadline)."""
+        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        for lid in expired:
+            self._finish(lid, "expired", FREE)
+        self._counters["leases_expired"] += len(expired)
+        return expired, self.next_deadline()
+
+    def next_deadline(self) -> float | None:
+        """Earliest deadline of an outstanding lease (None if none): when waiters should wake to expire it."""
+        return min((lease.deadline for lease in self._leases.values()), default=None)
+
+    def declare_dead(self, consumer: str) -> int:
+        """Free every lease held by ``consumer``; returns the number of rows freed."""
+        mine = [lid for lid, lease in self._leases.items() if lease.consumer == consumer and consumer is not None]
+        return sum(self._finish(lid, f"freed because consumer {consumer!r} was declared dead", FREE) for lid in mine)
+
+    def lease_info(self, lease_id: int) -> dict[str, Any] | None:
+        """Task, row ids, deadline and consumer of an outstanding lease (None if not outstanding)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        return {"task": lease.task, "row_ids": lease.row_ids.clone(), "deadline": lease.deadline,
+                "consumer": lease.consumer, "columns": lease.columns}
+
+    # ------------------------------------------------------------------ stream end, collection
+
+    def end_stream(self, partition: str | None = None) -> None:
+        """No more new rows in ``partition`` (or anywhere, for ``None``)."""
+        if partition is None:
+            self._ended_all = True
+        else:
+            self._partition_id(partition)
+            self._ended.add(partition)
+
+    def _drop(self, slots: torch.Tensor) -> torch.Tensor:
+        ids = self._row_id[slots].clone()
+        self._alive[slots] = False
+        k = int(slots.numel())
+        self._live -= k
+        self._dead += k
+        self._counters["rows_dropped"] += k
+        if self._dead >= _MIN_COMPACT and self._dead * 2 > self._n:
+            self._compact()
+        return ids
+
+    def gc(self, row_ids: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+        """Drop rows done for every consumer task (only among ``row_ids`` if given); returns the dropped ids.
+
+        With no consumer task registered nothing is collected. Rows dropped
+        here are gone for tasks registered later.
+        """
+        consumers = [t for t in self._tasks.values() if t.is_consumer]
+        if not consumers:
+            return torch.empty(0, dtype=torch.int64)
+        if row_ids is None:
+            slots = self._alive[: self._n].nonzero().squeeze(1)
+        else:
+            slots = self._slots(row_ids, missing="drop")
+        done = torch.ones(slots.numel(), dtype=torch.bool)
+        for t in consumers:
+            done &= self._state[t.index][slots] == DONE
+        return self._drop(slots[done])
+
+    def clear(self, partition: str | None = None) -> torch.Tensor:
+        """Drop every row (of ``partition``) and their leases; returns the dropped row ids."""
+        n = self._n
+        mask = self._alive[:n].clone()
+        if partition is not None:
+            if partition not in self._partitions:
+                return torch.empty(0, dtype=torch.int64)
+            mask &= self._partition[:n] == self._partitions[partition]
+        dropped = self._drop(mask.nonzero().squeeze(1))
+        self._dp_rounds.clear()
+        for lid in list(self._leases):
+            if self._slots(self._leases[lid].row_ids, missing="drop").numel() == 0:
+                self._leases.pop(lid)
+                self._finished[lid] = "cleared (its rows were dropped)"
+        return dropped
+
+    def _compact(self) -> None:
+        n = self._n
+        keep = self._alive[:n].nonzero().squeeze(1)
+        k = keep.numel()
+        for name in ("_row_id", "_alive", "_partition", "_group", "_tokens", "_minv", "_maxv", "_ready"):
+            arr = getattr(self, name)
+            arr[:k] = arr[:n][keep]
+        for lst in (self._state, self._lease_of):
+            for arr in lst:
+                arr[:k] = arr[:n][keep]
+        self._alive[k:n] = False
+        self._n = k
+        self._dead = 0
+
+    # ------------------------------------------------------------------ checkpoint, stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rows, readiness, versions and per-task progress; leases are not saved (they come back free)."""
+        keep = self._alive[: self._n].nonzero().squeeze(1)
+        states = {}
+        for name, t in self._tasks.items():
+            st = self._state[t.index][keep].clone()
+            st[st == LEASED] = FREE
+            states[name] = st
+        return {
+            "format": 1,
+            "capacity": self._capacity,
+            "group_size": self._group_size,
+            "row_ids": self._row_id[keep].clone(),
+            "partition": self._partition[keep].clone(),
+            "group_ids": self._group[keep].clone(),
+            "num_tokens": self._tokens[keep].clone(),
+            "min_version": self._minv[keep].clone(),
+            "max_version": self._maxv[keep].clone(),
+            "ready": self._ready[keep].clone(),
+            "columns": list(self._columns),
+            "partitions": list(self._partitions),
+            "tasks": [(name, list(t.consumes), list(t.produces)) for name, t in self._tasks.items()],
+            "task_state": states,
+            "ended": sorted(self._ended),
+            "ended_all": self._ended_all,
+            "next_row_id": self._next_row_id,
+            "next_lease_id": self._next_lease_id,
+            "counters": dict(self._counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (replacing everything); capacity stays this controller's."""
+        if not isinstance(state, dict) or state.get("format") != 1:
+            raise InvalidRequestError("not a controller state_dict (format 1); pass what Controller.state_dict() returned")
+        row_ids = _as_ids(state["row_ids"])
+        k = row_ids.numel()
+        if k > self._capacity:
+            raise InvalidRequestError(f"checkpoint holds {k} live rows, more than this store's capacity {self._capacity}")
+        self._reset()
+        for name, consumes, produces in state["tasks"]:
+            self.register_task(name, consumes, produces)
+        for c in state["columns"]:
+            self._column_bit(c)
+        for p in state["partitions"]:
+            self._partition_id(p)
+        self._ensure_slots(k)
+        self._row_id[:k] = row_ids
+        self._alive[:k] = True
+        self._partition[:k] = state["partition"]
+        self._group[:k] = state["group_ids"]
+        self._tokens[:k] = state["num_tokens"]
+        self._minv[:k] = state["min_version"]
+        self._maxv[:k] = state["max_version"]
+        ready = state["ready"]
+        self._ready[:k, : ready.shape[1]] = ready
+        for name, st in state["task_state"].items():
+            self._state[self._tasks[name].index][:k] = st
+        self._n = self._live = k
+        self._ended = set(state["ended"])
+        self._ended_all = bool(state["ended_all"])
+        self._next_row_id = int(state["next_row_id"])
+        self._next_lease_id = int(state["next_lease_id"])
+        self._counters.update(state["counters"])
+
+    def stats(self) -> dict[str, int]:
+        """Counters: rows_live, rows_leased ((row, task) pairs held), rows_done (pairs acknowledged, cumulative),
+        rows_dropped, rows_put, leases_active, leases_granted, leases_expired, tasks, columns."""
+        n = self._n
+        leased = sum(int(((s[:n] == LEASED) & self._alive[:n]).sum()) for s in self._state)
+        return {
+            "rows_live": self._live,
+            "rows_leased": leased,
+            **self._counters,
+            "leases_active": len(self._leases),
+            "tasks": len(self._tasks),
+            "columns": len(self._columns),
+            "capacity": self._capacity,
+        }

@@ -1,0 +1,222 @@
+"""The asyncio control core every out-of-process deployment serves: a Controller plus notification waits.
+
+:class:`~asyncflow_core.store.controller.Controller` is synchronous and takes
+``now`` as an argument; this wrapper owns the clock, turns "not yet" answers
+into waits, and wakes waiters on every state change (a put, ack, release,
+dead consumer, expiry, end of stream, clear, close). Waiters also wake at the
+next lease deadline, so expired leases come back without anyone polling.
+
+The core does not hold column data: ``on_drop(row_ids)`` tells the data
+plane which rows were collected (after an ack) or cleared, so it can free
+their bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from asyncflow_core.interfaces.store import BatchMeta
+from asyncflow_core.store.controller import Controller
+from asyncflow_core.store.errors import (
+    InvalidRequestError,
+    LeaseError,
+    StoreClosedError,
+    StoreFullError,
+    StoreTimeoutError,
+)
+
+
+class StoreCore:
+    """Controller + waits, single event loop. Methods mirror the StreamStore control calls."""
+
+    def __init__(self, controller: Controller, on_drop: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.controller = controller
+        self.on_drop = on_drop or (lambda ids: None)
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    # -- notification ----------------------------------------------------------
+
+    def notify(self) -> None:
+        """Wake every waiter (they re-check their condition)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreClosedError("the store is closed; create a new one (or reconnect to a running server)")
+
+    def _expire(self, now: float) -> None:
+        expired, _ = self.controller.expire(now)
+        if expired:
+            self.notify()
+
+    async def _wait(self, event: asyncio.Event, deadline: float | None) -> None:
+        """Wait for a change, the next lease deadline (to expire it), or ``deadline``; whichever first."""
+        now = time.monotonic()
+        limits = [t for t in (deadline, self.controller.next_deadline()) if t is not None]
+        wait_s = max(0.0, min(limits) - now) if limits else None
+        try:
+            await asyncio.wait_for(event.wait(), wait_s)
+        except asyncio.TimeoutError:
+            pass
+
+    # -- control calls ---------------------------------------------------------
+
+    def register_task(self, task: str, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
+        self._check_open()
+        self.controller.register_task(task, consumes, produces)
+        self.notify()
+
+    async def add_rows(
+        self, n: int, partition: str, group_ids: Any, block: bool, timeout: float | None
+    ) -> torch.Tensor:
+        """New row ids; waits for capacity when ``block`` (``StoreTimeoutError`` after ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check_open()
+            event = self._changed
+            try:
+                return self.controller.add_rows(n, partition, group_ids)
+            except StoreFullError:
+                if not block:
+                    raise
+            if deadline is not None and time.monotonic() >= deadline:
+                raise StoreTimeoutError(
+                    f"put of {n} rows waited {timeout}s for space (capacity {self.controller.capacity}); "
+                    "acknowledge rows faster, raise the capacity, or pass a longer timeout"
+                )
+            await self._wait(event, deadline)
+
+    def mark_ready(self, row_ids: torch.Tensor, columns: Sequence[str], versions: Any, num_tokens: Any) -> None:
+        self.controller.mark_ready(row_ids, columns, versions, num_tokens)
+        self.notify()
+
+    async def get_meta(
+        self,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: str | None = None,
+        min_version: int | None = None,
+        partition: str | None = None,
+        partial: bool = False,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        consumer: str | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> BatchMeta:
+        self._check_open()
+        columns = tuple(columns)
+        self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check_open()
+            event = self._changed
+            now = time.monotonic()
+            self._expire(now)
+            meta = self.controller.try_lease(
+                task, columns, batch_size, sampler, min_version, partition, partial, lease_s, consumer,
+                dp_rank, dp_size, now,
+            )
+            if meta is not None:
+                if len(meta):
+                    self.notify()  # other DP ranks may claim their parts now
+                return meta
+            if deadline is not None and time.monotonic() >= deadline:
+                raise StoreTimeoutError(
+                    f"get_meta(task={task!r}, columns={list(columns)}, batch_size={batch_size}) found no batch "
+                    f"within {timeout}s; check that a producer writes these columns, or pass a longer timeout"
+                )
+            await self._wait(event, deadline)
+
+    def _lease_id(self, meta: BatchMeta, verb: str) -> int:
+        if not isinstance(meta, BatchMeta) or meta.lease_id is None:
+            raise LeaseError(f"cannot {verb} this meta: it is not a lease; pass a meta that get_meta() returned")
+        return int(meta.lease_id)
+
+    def ack(self, meta: BatchMeta) -> int:
+        self._check_open()
+        lid = self._lease_id(meta, "acknowledge")
+        try:
+            done = self.controller.ack(lid, time.monotonic())
+        finally:
+            self.notify()  # an expired lease freed rows even when ack raised
+        dropped = self.controller.gc(meta.row_ids)
+        if dropped.numel():
+            self.on_drop(dropped)
+        return done
+
+    def release(self, meta: BatchMeta) -> int:
+        self._check_open()
+        freed = self.controller.release(self._lease_id(meta, "release"), time.monotonic())
+        self.notify()
+        return freed
+
+    def declare_dead(self, consumer: str) -> int:
+        self._check_open()
+        freed = self.controller.declare_dead(consumer)
+        self.notify()
+        return freed
+
+    def end_stream(self, partition: str | None = None) -> None:
+        self._check_open()
+        self.controller.end_stream(partition)
+        self.notify()
+
+    def clear(self, partition: str | None = None) -> int:
+        self._check_open()
+        dropped = self.controller.clear(partition)
+        if dropped.numel():
+            self.on_drop(dropped)
+        self.notify()
+        return int(dropped.numel())
+
+    def close(self) -> None:
+        self.closed = True
+        self.notify()
+
+
+def rows_of(columns: dict[str, Any]) -> int:
+    """Rows a put writes (taken from its first column); ``InvalidRequestError`` for an empty put."""
+    from asyncflow_core.types.batch import column_rows
+
+    if not columns:
+        raise InvalidRequestError("put() needs at least one column; pass {name: tensor or RaggedTensor}")
+    try:
+        return column_rows(next(iter(columns.values())))
+    except Exception as exc:
+        from asyncflow_core.store.errors import ColumnTypeError
+
+        raise ColumnTypeError(f"cannot count the rows of column {next(iter(columns))!r}: {exc}") from exc
+
+
+def check_versions(versions: Any, n: int) -> torch.Tensor | None:
+    """Validate ``versions`` before anything is mutated (the controller would check it only after rows exist)."""
+    if versions is None:
+        return None
+    v = torch.as_tensor(versions, dtype=torch.int64)
+    if v.dim() == 1:
+        v = torch.stack([v, v], dim=1)
+    if v.shape != (n, 2) or bool((v < 0).any()) or bool((v[:, 0] > v[:, 1]).any()):
+        raise InvalidRequestError(
+            f"versions must be non-negative with shape [{n}, 2] (min <= max policy version per row) or [{n}]"
+        )
+    return v
+
+
+def num_tokens_of(columns: dict[str, Any], token_columns: Sequence[str]) -> torch.Tensor | None:
+    """Per-row token count: the summed lengths of the ``token_columns`` written (None when none is)."""
+    from asyncflow_core.types import RaggedTensor
+
+    lengths = [c.lengths for n, c in columns.items() if n in token_columns and isinstance(c, RaggedTensor)]
+    if not lengths:
+        return None
+    return torch.stack(lengths).sum(0)

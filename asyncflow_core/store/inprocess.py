@@ -1,0 +1,358 @@
+"""The in-process store: a controller and one storage unit in the caller's process (the embedded default).
+
+No server and no serialization: ``get`` gathers straight from the storage
+unit's buffers. Every public method is safe to call from any thread and any
+event loop: state changes happen under one lock in short synchronous
+sections, and a blocked call waits on a future of its own loop that the
+changing call resolves thread-safely. There is no polling: a waiter sleeps
+until notified, its own timeout, or the earliest lease deadline (when an
+expired lease may free rows for it), whichever comes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncflow_core.interfaces.features import StoreFeatures
+from asyncflow_core.interfaces.store import BatchMeta, StreamStore
+from asyncflow_core.store.controller import Controller, normalize_versions
+from asyncflow_core.store.errors import (
+    InvalidRequestError,
+    LeaseError,
+    StoreClosedError,
+    StoreFullError,
+    StoreTimeoutError,
+)
+from asyncflow_core.store.storage import StorageUnit
+from asyncflow_core.types import Batch, Column, RaggedTensor
+
+T = TypeVar("T")
+
+FEATURES = StoreFeatures(deployment="inprocess", zero_copy_get=False, supports_checkpoint=True)
+
+
+class InProcessStoreConfig(BaseModel):
+    """Options of the ``inprocess`` store."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    capacity: int = Field(65536, ge=1, description="Most live rows (put and not yet collected); put blocks or fails beyond.")
+    lease_s: float = Field(600.0, gt=0, description="Default lease length in seconds; an unacknowledged lease then returns to free.")
+    sampler: str = Field("fifo", description="Sampler used when get_meta names none (a registered sampler name).")
+    sampler_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Options per sampler name, passed to the sampler's config model."
+    )
+    group_size: int = Field(0, ge=0, description="Rows per complete prompt group, for the group sampler (0: ungrouped).")
+    token_columns: tuple[str, ...] = Field(
+        ("prompt_ids", "response_ids"),
+        description="Ragged columns whose lengths sum to a row's token count (used by length-aware samplers).",
+    )
+    max_candidates: int = Field(
+        65536, ge=0, description="Most eligible rows (the oldest) a sampler sees per get_meta, at least 4x the batch; 0: all."
+    )
+    device: str = Field("cpu", description="Device the column values are kept on.")
+    clock: Callable[[], float] | None = Field(
+        None,
+        exclude=True,
+        description="Monotonic clock (seconds) for lease deadlines; default time.monotonic. Tests inject a fake one "
+        "to expire leases without sleeping.",
+    )
+
+
+class _Waiters:
+    """Futures of blocked calls, each on its own loop; woken thread-safely."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def add(self) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._items.append((loop, fut))
+        return fut
+
+    def discard(self, fut: asyncio.Future) -> None:
+        self._items = [(lp, f) for lp, f in self._items if f is not fut]
+
+    def wake_all(self, exc: BaseException | None = None) -> None:
+        items, self._items = self._items, []
+        for loop, fut in items:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, exc)
+            except RuntimeError:  # that loop is closed: nobody is waiting there any more
+                pass
+
+
+def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if not fut.done():
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+
+
+class InProcessStore(StreamStore):
+    """The :class:`StreamStore` in the caller's process: a :class:`Controller` plus one :class:`StorageUnit`.
+
+    Build it from a config (``InProcessStore(InProcessStoreConfig(capacity=...))``)
+    or through the plugin manager as ``inprocess``. Besides the contract it
+    offers :meth:`expire_leases` (expire overdue leases now, e.g. after a
+    test advanced its fake clock) and exposes ``controller`` / ``storage``.
+    """
+
+    def __init__(self, config: InProcessStoreConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = InProcessStoreConfig(**overrides)
+        elif overrides:
+            config = config.model_copy(update=overrides)
+        self.config = config
+        self._clock = config.clock or time.monotonic
+        self.controller = Controller(
+            config.capacity,
+            group_size=config.group_size,
+            sampler_options=config.sampler_options,
+            default_sampler=config.sampler,
+            default_lease_s=config.lease_s,
+            max_candidates=config.max_candidates,
+        )
+        self.storage = StorageUnit(config.device)
+        self._lock = threading.Lock()
+        self._waiters = _Waiters()
+        self._closed = False
+
+    @property
+    def features(self) -> StoreFeatures:
+        return FEATURES
+
+    # ------------------------------------------------------------------ machinery
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("the store is closed; create a new one (or load a checkpoint into a new one)")
+
+    def _expire_locked(self) -> None:
+        expired, _ = self.controller.expire(self._clock())
+        if expired:
+            self._waiters.wake_all()
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run a state change under the lock, then wake waiters (something they wait for may have changed)."""
+        with self._lock:
+            self._check_open()
+            try:
+                self._expire_locked()
+                return fn()
+            finally:
+                self._waiters.wake_all()
+
+    async def _block(self, attempt: Callable[[], T | None], timeout: float | None, what: str) -> T:
+        """Retry ``attempt`` (under the lock) until it returns non-None, waking only when notified,
+        at the earliest lease deadline, or at ``timeout``."""
+        if timeout is not None and timeout < 0:
+            raise InvalidRequestError(f"timeout must be >= 0 or None, got {timeout}")
+        loop = asyncio.get_running_loop()
+        give_up = None if timeout is None else loop.time() + timeout
+        while True:
+            with self._lock:
+                self._check_open()
+                self._expire_locked()
+                result = attempt()
+                if result is not None:
+                    self._waiters.wake_all()
+                    return result
+                if give_up is not None and loop.time() >= give_up:
+                    raise StoreTimeoutError(
+                        f"{what} did not complete within {timeout}s; raise the timeout, or check that a producer "
+                        "is writing the columns asked for (and that consumers acknowledge rows)"
+                    )
+                fut = self._waiters.add()
+                next_deadline = self.controller.next_deadline()
+            delay = None if give_up is None else max(0.0, give_up - loop.time())
+            if next_deadline is not None:
+                until_expiry = max(0.0, next_deadline - self._clock())
+                delay = until_expiry if delay is None else min(delay, until_expiry)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), delay)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                if not fut.done():
+                    with self._lock:
+                        self._waiters.discard(fut)
+                    fut.cancel()
+
+    def _num_tokens(self, ids: torch.Tensor, columns: Mapping[str, Column]) -> torch.Tensor | None:
+        if not any(c in columns for c in self.config.token_columns):
+            return None
+        total = torch.zeros(ids.numel(), dtype=torch.int64)
+        for c in self.config.token_columns:
+            total += self.storage.lengths(ids, c)
+        return total
+
+    # ------------------------------------------------------------------ the contract
+
+    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
+        self._call(lambda: self.controller.register_task(task, consumes, produces))
+
+    async def put(
+        self,
+        columns: Mapping[str, Column],
+        *,
+        rows: BatchMeta | None = None,
+        partition: str = "default",
+        group_ids: torch.Tensor | Sequence[int] | None = None,
+        versions: torch.Tensor | None = None,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        cols = dict(columns)
+        names = tuple(cols)
+        if rows is not None:
+            if group_ids is not None:
+                raise InvalidRequestError("group_ids apply to new rows only; put(rows=...) writes existing rows")
+            ids = torch.as_tensor(rows.row_ids, dtype=torch.int64).reshape(-1)
+
+            def write_existing() -> BatchMeta:
+                self.controller.check_rows(ids)
+                self.storage.validate(ids.numel(), cols)
+                v = normalize_versions(versions, ids.numel())
+                self.storage.write(ids, cols)
+                self.controller.mark_ready(ids, names, v, self._num_tokens(ids, cols))
+                return BatchMeta(row_ids=ids.clone(), columns=names, extra={"partition": partition})
+
+            return self._call(write_existing)
+        if not cols:
+            raise InvalidRequestError("put of new rows needs at least one column (the columns say how many rows)")
+        first = next(iter(cols.values()))
+        n = len(first) if isinstance(first, RaggedTensor) else (int(first.shape[0]) if first.dim() else 0)
+
+        def attempt() -> BatchMeta | None:
+            self.storage.validate(n, cols)
+            v = normalize_versions(versions, n)
+            try:
+                ids = self.controller.add_rows(n, partition, group_ids)
+            except StoreFullError:
+                if block:
+                    return None
+                raise
+            self.storage.write(ids, cols)
+            self.controller.mark_ready(ids, names, v, self._num_tokens(ids, cols))
+            gids = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.int64).reshape(-1)
+            return BatchMeta(row_ids=ids, columns=names, group_ids=gids, extra={"partition": partition})
+
+        return await self._block(attempt, timeout, f"put of {n} rows (waiting for capacity)")
+
+    async def get_meta(
+        self,
+        task: str,
+        columns: Sequence[str],
+        batch_size: int,
+        *,
+        sampler: str | None = None,
+        min_version: int | None = None,
+        partition: str | None = None,
+        partial: bool = False,
+        timeout: float | None = None,
+        lease_s: float | None = None,
+        consumer: str | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> BatchMeta:
+        columns = tuple(columns)
+        with self._lock:
+            self._check_open()
+            self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s)
+
+        def attempt() -> BatchMeta | None:
+            return self.controller.try_lease(
+                task, columns, batch_size, sampler, min_version, partition, partial, lease_s, consumer,
+                dp_rank, dp_size, self._clock(),
+            )
+
+        return await self._block(attempt, timeout, f"get_meta({task!r}, {list(columns)}, batch_size={batch_size})")
+
+    async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
+        names = tuple(meta.columns if columns is None else columns)
+        with self._lock:
+            self._check_open()
+            return self.storage.read(meta.row_ids, names)
+
+    async def ack(self, meta: BatchMeta) -> None:
+        if meta.lease_id is None:
+            raise LeaseError("this meta holds no lease (put() returns rows, not leases); ack what get_meta() returned")
+
+        def do() -> None:
+            self.controller.ack(meta.lease_id, now=self._clock())
+            self.storage.free(self.controller.gc(meta.row_ids))
+
+        self._call(do)
+
+    async def release(self, meta: BatchMeta) -> None:
+        if meta.lease_id is None:
+            raise LeaseError("this meta holds no lease (put() returns rows, not leases); release what get_meta() returned")
+        self._call(lambda: self.controller.release(meta.lease_id, now=self._clock()))
+
+    async def declare_dead(self, consumer: str) -> int:
+        return self._call(lambda: self.controller.declare_dead(consumer))
+
+    async def end_stream(self, partition: str | None = None) -> None:
+        self._call(lambda: self.controller.end_stream(partition))
+
+    async def clear(self, partition: str | None = None) -> int:
+        def do() -> int:
+            dropped = self.controller.clear(partition)
+            self.storage.free(dropped)
+            return int(dropped.numel())
+
+        return self._call(do)
+
+    async def expire_leases(self) -> int:
+        """Expire every lease whose deadline passed on the store's clock; returns how many. Wakes waiters."""
+        with self._lock:
+            self._check_open()
+            expired, _ = self.controller.expire(self._clock())
+            self._waiters.wake_all()
+            return len(expired)
+
+    async def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            self._check_open()
+            return {"format": 1, "controller": self.controller.state_dict(), "storage": self.storage.state_dict()}
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != 1 or "controller" not in state:
+            raise InvalidRequestError("not an in-process store state_dict; pass what state_dict() returned")
+
+        def do() -> None:
+            ctl_backup, st_backup = self.controller.state_dict(), self.storage.state_dict()
+            try:
+                self.controller.load_state_dict(state["controller"])
+                self.storage.load_state_dict(state["storage"])
+            except Exception:
+                self.controller.load_state_dict(ctl_backup)  # a rejected load leaves the store as it was
+                self.storage.load_state_dict(st_backup)
+                raise
+
+        self._call(do)
+
+    async def stats(self) -> dict[str, int]:
+        with self._lock:
+            self._check_open()
+            self._expire_locked()
+            out = self.controller.stats()
+            out["bytes_stored"] = self.storage.nbytes
+            return out
+
+    async def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._waiters.wake_all(StoreClosedError("the store was closed while this call was waiting"))

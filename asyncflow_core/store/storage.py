@@ -1,0 +1,411 @@
+"""The store's data plane: column values of rows, dense and ragged, written and read by row id.
+
+:class:`StorageUnit` knows nothing about readiness or leases (that is the
+controller's job); it stores what it is given and returns it in the order
+asked. Deployments put one or more units next to a controller.
+
+Layout, chosen so a write costs O(values written) and a read is a handful of
+vectorised gathers whatever the write pattern was:
+
+- a row table addressed by ``row_id - base`` (row ids are dense and increase,
+  so a direct-address table beats hashing; ``base`` moves forward as old rows
+  are freed, and the table is reset whenever it empties);
+- a dense column is one tensor ``[table, *trailing]``: row ``i``'s value sits
+  at its table position;
+- a ragged column is a packed arena of values plus per-row ``(start, length)``
+  into it: writes append, frees and overwrites leave garbage that is
+  compacted (one vectorised gather) once it outweighs the live values.
+  Ragged values are never padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, UnknownColumnError, UnknownRowError
+from asyncflow_core.types import Batch, Column, RaggedTensor
+
+_MIN_TABLE = 1024
+_MIN_ARENA = 4096
+
+
+@dataclass
+class ColumnSchema:
+    """What the first write of a column fixed: ragged or dense, dtype, and the per-element trailing shape."""
+
+    ragged: bool
+    dtype: torch.dtype
+    trailing: tuple[int, ...]
+
+    def describe(self) -> str:
+        kind = "ragged" if self.ragged else "dense"
+        return f"{kind} {str(self.dtype).removeprefix('torch.')} with trailing shape {self.trailing}"
+
+
+class _Dense:
+    def __init__(self, schema: ColumnSchema, alloc: int, device: torch.device) -> None:
+        self.data = torch.zeros((alloc, *schema.trailing), dtype=schema.dtype, device=device)
+        self.present = torch.zeros(alloc, dtype=torch.bool)
+
+
+class _Ragged:
+    def __init__(self, schema: ColumnSchema, alloc: int, device: torch.device) -> None:
+        self.values = torch.zeros((_MIN_ARENA, *schema.trailing), dtype=schema.dtype, device=device)
+        self.used = 0
+        self.garbage = 0
+        self.start = torch.zeros(alloc, dtype=torch.int64)
+        self.length = torch.zeros(alloc, dtype=torch.int64)
+        self.present = torch.zeros(alloc, dtype=torch.bool)
+
+
+def _schema_of(column: Column) -> ColumnSchema:
+    if isinstance(column, RaggedTensor):
+        return ColumnSchema(True, column.values.dtype, tuple(column.values.shape[1:]))
+    if not isinstance(column, torch.Tensor):
+        raise ColumnTypeError(
+            f"a column must be a torch.Tensor (dense) or a RaggedTensor, got {type(column).__name__}; "
+            "wrap lists with torch.tensor(...) or RaggedTensor.from_sequences(...)"
+        )
+    if column.dim() == 0:
+        raise ColumnTypeError("a dense column needs a leading row dimension; got a 0-d tensor (use tensor.reshape(1))")
+    return ColumnSchema(False, column.dtype, tuple(column.shape[1:]))
+
+
+def _rows(column: Column) -> int:
+    return len(column) if isinstance(column, RaggedTensor) else int(column.shape[0])
+
+
+class StorageUnit:
+    """Holds column values for rows; reads any row subset back as a :class:`Batch`.
+
+    Public methods: ``validate(num_rows, columns)``, ``write(row_ids, columns)``,
+    ``read(row_ids, columns) -> Batch``, ``has(row_ids, column) -> Tensor``,
+    ``lengths(row_ids, column) -> Tensor``, ``free(row_ids)``, ``clear()``,
+    ``schema``, ``nbytes``, ``allocated_nbytes``, ``num_rows``,
+    ``state_dict()`` / ``load_state_dict(state)``.
+
+    A column's schema (ragged or dense, dtype, trailing shape) is fixed by its
+    first write; later writes must match it (``ColumnTypeError``), values are
+    never silently cast. Writes are validated completely before anything is
+    stored.
+    """
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self._schema: dict[str, ColumnSchema] = {}
+        self._reset_rows()
+
+    def _reset_rows(self) -> None:
+        self._base = 0
+        self._alloc = _MIN_TABLE
+        self._known = torch.zeros(self._alloc, dtype=torch.bool)
+        self._num_known = 0
+        self._cols: dict[str, _Dense | _Ragged] = {
+            name: self._new_col(schema) for name, schema in self._schema.items()
+        }
+
+    def _new_col(self, schema: ColumnSchema) -> _Dense | _Ragged:
+        return (_Ragged if schema.ragged else _Dense)(schema, self._alloc, self.device)
+
+    # ------------------------------------------------------------------ schema, validation
+
+    @property
+    def schema(self) -> dict[str, ColumnSchema]:
+        """Column name -> schema fixed by its first write."""
+        return dict(self._schema)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows holding at least one value."""
+        return self._num_known
+
+    def validate(self, num_rows: int, columns: Mapping[str, Column]) -> None:
+        """Raise ``ColumnTypeError`` unless every column holds ``num_rows`` rows and matches its schema."""
+        for name, col in columns.items():
+            if not isinstance(name, str) or not name:
+                raise ColumnTypeError(f"column names must be non-empty strings, got {name!r}")
+            got = _schema_of(col)
+            if _rows(col) != num_rows:
+                raise ColumnTypeError(
+                    f"column {name!r} holds {_rows(col)} rows but {num_rows} rows are being written; "
+                    "give every column one value (or sequence) per row"
+                )
+            want = self._schema.get(name)
+            if want is not None and want != got:
+                raise ColumnTypeError(
+                    f"column {name!r} was first written as {want.describe()}, this write is {got.describe()}; "
+                    f"convert it (e.g. .to({want.dtype})) or use another column name"
+                )
+            if got.ragged and col.values.dim() == 0:  # type: ignore[union-attr]
+                raise ColumnTypeError(f"ragged column {name!r} needs values with a token axis")
+
+    # ------------------------------------------------------------------ row table
+
+    def _relayout(self, new_base: int, new_alloc: int) -> None:
+        """Move every per-row array to a table starting at ``new_base`` with ``new_alloc`` slots."""
+        shift = self._base - new_base
+        old = torch.arange(self._alloc, dtype=torch.int64)
+        keep = (old + shift >= 0) & (old + shift < new_alloc)
+        src, dst = old[keep], old[keep] + shift
+
+        def move(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+            out = torch.full((new_alloc, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
+            out[dst.to(t.device)] = t[src.to(t.device)]
+            return out
+
+        self._known = move(self._known)
+        for col in self._cols.values():
+            col.present = move(col.present)
+            if isinstance(col, _Dense):
+                col.data = move(col.data)
+            else:
+                col.start = move(col.start)
+                col.length = move(col.length)
+        self._base, self._alloc = new_base, new_alloc
+
+    def _ensure(self, ids: torch.Tensor) -> torch.Tensor:
+        lo, hi = int(ids.min()), int(ids.max()) + 1
+        if self._num_known == 0:
+            if hi - lo > self._alloc:
+                self._alloc = max(2 * self._alloc, hi - lo)
+                self._known = torch.zeros(self._alloc, dtype=torch.bool)
+                self._cols = {name: self._new_col(s) for name, s in self._schema.items()}
+            self._base = lo  # empty table: re-anchor for free
+        new_lo = min(self._base, lo)
+        new_hi = max(self._base + self._alloc, hi)
+        if new_lo != self._base or new_hi - new_lo > self._alloc:
+            self._relayout(new_lo, max(2 * self._alloc, new_hi - new_lo))
+        return ids - self._base
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = ids - self._base
+        inside = (pos >= 0) & (pos < self._alloc)
+        ok = inside.clone()
+        ok[inside] = self._known[pos[inside]]
+        if not bool(ok.all()):
+            bad = ids[~ok][:8].tolist()
+            raise UnknownRowError(f"rows {bad} hold no data in this storage unit (never written, or freed)")
+        return pos
+
+    # ------------------------------------------------------------------ write, read
+
+    def write(self, row_ids: torch.Tensor | Sequence[int], columns: Mapping[str, Column]) -> None:
+        """Store ``columns`` for ``row_ids`` (row ``i`` of each column belongs to ``row_ids[i]``), replacing old values."""
+        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        self.validate(ids.numel(), columns)
+        if ids.numel() == 0:
+            return
+        if int(ids.min()) < 0:
+            raise InvalidRequestError("row ids must be non-negative")
+        if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+            raise InvalidRequestError("row ids repeat in one write; write each row once per call")
+        # everything validated: from here on nothing raises on bad input
+        for name, col in columns.items():
+            if name not in self._schema:
+                self._schema[name] = _schema_of(col)
+                self._cols[name] = self._new_col(self._schema[name])
+        pos = self._ensure(ids)
+        newly = int((~self._known[pos]).sum())
+        self._known[pos] = True
+        self._num_known += newly
+        for name, col in columns.items():
+            store = self._cols[name]
+            if isinstance(store, _Dense):
+                store.data[pos.to(self.device)] = col.to(self.device)  # type: ignore[union-attr]
+            else:
+                self._append_ragged(store, pos, col)  # type: ignore[arg-type]
+            store.present[pos] = True
+
+    def _append_ragged(self, store: _Ragged, pos: torch.Tensor, col: RaggedTensor) -> None:
+        old = store.present[pos]
+        store.garbage += int(store.length[pos][old].sum())
+        store.present[pos] = False  # overwritten segments are garbage now, so compaction drops them
+        store.length[pos] = 0
+        total = col.numel_packed
+        if store.used + total > store.values.shape[0]:
+            self._compact_arena(store, extra=total)
+        store.values[store.used : store.used + total] = col.values.to(self.device)
+        store.start[pos] = store.used + col.offsets[:-1]
+        store.length[pos] = col.lengths
+        store.used += total
+
+    def _compact_arena(self, store: _Ragged, extra: int = 0) -> None:
+        """Pack live segments to the front (dropping garbage), growing the arena so ``extra`` more fits."""
+        live = store.used - store.garbage
+        cap = store.values.shape[0]
+        new_cap = cap
+        while new_cap < live + extra or (new_cap < 2 * (live + extra)):
+            new_cap *= 2
+        pos = store.present.nonzero().squeeze(1)
+        # keep arena order (ordered by start), so contiguous writes stay contiguous
+        pos = pos[torch.argsort(store.start[pos])]
+        starts, lens = store.start[pos], store.length[pos]
+        new_starts = torch.cumsum(lens, 0) - lens
+        gather = _segment_index(starts, lens)
+        values = torch.zeros((new_cap, *store.values.shape[1:]), dtype=store.values.dtype, device=self.device)
+        values[:live] = store.values[gather.to(self.device)]
+        store.values = values
+        store.start[pos] = new_starts
+        store.used, store.garbage = live, 0
+
+    def read(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str]) -> Batch:
+        """Columns of ``row_ids`` as a :class:`Batch` in the order given, ``row_ids`` set. Values are copies."""
+        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        out: dict[str, Column] = {}
+        for name in columns:
+            if name not in self._cols:
+                raise UnknownColumnError(
+                    f"column {name!r} was never written; written columns: {sorted(self._cols)}"
+                )
+        pos = self._positions(ids) if ids.numel() else ids
+        for name in columns:
+            store = self._cols[name]
+            missing = ~store.present[pos]
+            if bool(missing.any()):
+                bad = ids[missing][:8].tolist()
+                raise UnknownColumnError(
+                    f"rows {bad} have no value for column {name!r} yet; lease rows with get_meta(columns=[...]) "
+                    "so only rows whose columns are ready are read"
+                )
+            if isinstance(store, _Dense):
+                out[name] = store.data[pos.to(self.device)]
+            else:
+                out[name] = _gather_ragged(store, pos, self.device)
+        return Batch(out, row_ids=ids, num_rows=ids.numel())
+
+    def has(self, row_ids: torch.Tensor | Sequence[int], column: str) -> torch.Tensor:
+        """Bool per row: does it hold a value for ``column``?"""
+        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        store = self._cols.get(column)
+        pos = ids - self._base
+        inside = (pos >= 0) & (pos < self._alloc)
+        out = torch.zeros(ids.numel(), dtype=torch.bool)
+        if store is not None:
+            out[inside] = store.present[pos[inside]]
+        return out
+
+    def lengths(self, row_ids: torch.Tensor | Sequence[int], column: str) -> torch.Tensor:
+        """Per-row sequence length of a ragged ``column`` (0 where absent, or for dense columns)."""
+        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        store = self._cols.get(column)
+        out = torch.zeros(ids.numel(), dtype=torch.int64)
+        if isinstance(store, _Ragged):
+            pos = ids - self._base
+            inside = (pos >= 0) & (pos < self._alloc)
+            p = pos[inside]
+            out[inside] = torch.where(store.present[p], store.length[p], 0)
+        return out
+
+    # ------------------------------------------------------------------ freeing
+
+    def free(self, row_ids: torch.Tensor | Sequence[int]) -> None:
+        """Forget ``row_ids`` (unknown ids are ignored) and reclaim their space."""
+        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        if ids.numel() == 0:
+            return
+        pos = ids - self._base
+        pos = pos[(pos >= 0) & (pos < self._alloc)]
+        pos = pos[self._known[pos]]
+        if pos.numel() == 0:
+            return
+        self._known[pos] = False
+        self._num_known -= int(pos.numel())
+        for store in self._cols.values():
+            if isinstance(store, _Ragged):
+                had = store.present[pos]
+                store.garbage += int(store.length[pos][had].sum())
+                store.length[pos] = 0
+                if store.garbage > _MIN_ARENA and 2 * store.garbage > store.used:
+                    store.present[pos] = False
+                    self._compact_arena(store)
+            store.present[pos] = False
+        if self._num_known == 0:
+            for store in self._cols.values():  # an empty unit starts its arenas over
+                if isinstance(store, _Ragged):
+                    store.used = store.garbage = 0
+        else:
+            first = int(self._known.nonzero()[0])
+            if first > _MIN_TABLE and 2 * first > self._alloc:
+                self._relayout(self._base + first, self._alloc)
+
+    def clear(self) -> None:
+        """Forget every row (schemas stay)."""
+        self._reset_rows()
+
+    # ------------------------------------------------------------------ size, checkpoint
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stored values (live rows only; excludes slack and garbage)."""
+        total = 0
+        for name, store in self._cols.items():
+            s = self._schema[name]
+            elem = torch.empty((), dtype=s.dtype).element_size() * int(torch.Size(s.trailing).numel())
+            if isinstance(store, _Dense):
+                total += int(store.present.sum()) * elem
+            else:
+                total += (store.used - store.garbage) * elem
+        return total
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes held by buffers, slack and garbage included."""
+        total = 0
+        for store in self._cols.values():
+            buf = store.data if isinstance(store, _Dense) else store.values
+            total += buf.element_size() * buf.numel()
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every stored value, by column, with the rows that hold it."""
+        cols: dict[str, Any] = {}
+        for name, store in self._cols.items():
+            pos = store.present.nonzero().squeeze(1)
+            ids = pos + self._base
+            if isinstance(store, _Dense):
+                data: Column = store.data[pos.to(self.device)].cpu()
+            else:
+                data = _gather_ragged(store, pos, self.device).to("cpu")
+            s = self._schema[name]
+            cols[name] = {"ragged": s.ragged, "dtype": str(s.dtype).removeprefix("torch."), "trailing": s.trailing,
+                          "row_ids": ids, "data": data}
+        return {"format": 1, "columns": cols}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace everything with :meth:`state_dict` output."""
+        if not isinstance(state, dict) or state.get("format") != 1:
+            raise InvalidRequestError("not a storage state_dict (format 1); pass what StorageUnit.state_dict() returned")
+        self._schema = {}
+        for name, c in state["columns"].items():
+            self._schema[name] = ColumnSchema(bool(c["ragged"]), getattr(torch, c["dtype"]), tuple(c["trailing"]))
+        self._reset_rows()
+        for name, c in state["columns"].items():
+            if c["row_ids"].numel():
+                self.write(c["row_ids"], {name: c["data"]})
+
+
+def _segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Positions ``starts[i] .. starts[i] + lengths[i]`` for every segment, concatenated (vectorised)."""
+    total = int(lengths.sum())
+    if total == 0:
+        return torch.empty(0, dtype=torch.int64)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
+    return starts[seg] + (torch.arange(total, dtype=torch.int64) - offsets[seg])
+
+
+def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device) -> RaggedTensor:
+    starts, lens = store.start[pos], store.length[pos]
+    offsets = torch.zeros(pos.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=offsets[1:])
+    total = int(offsets[-1])
+    if pos.numel() and bool((starts[1:] == starts[:-1] + lens[:-1]).all()):
+        s0 = int(starts[0])  # rows written together: one slice instead of a gather
+        values = store.values[s0 : s0 + total].clone()
+    else:
+        values = store.values[_segment_index(starts, lens).to(device)]
+    return RaggedTensor(values, offsets.to(values.device))
