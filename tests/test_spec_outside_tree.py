@@ -50,8 +50,7 @@ def test_asyncflow_spec_command_runs_the_suite_by_plugin_name(tmp_path):
     assert "passed" in proc.stdout
 
 
-def test_asyncflow_spec_reports_a_failing_backend(tmp_path):
-    # an option that makes the toy engine fail the contract is not available, so check the refusal paths instead
+def test_asyncflow_spec_refuses_unknown_ambiguous_and_invalid_requests(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "asyncflow_core", "spec", "no-such-plugin"], cwd=tmp_path, env=clean_env(),
         capture_output=True, text=True,

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.interfaces.features import StoreFeatures
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
+from asyncflow_core.store.options import StoreOptions
 from asyncflow_core.store.controller import Controller, normalize_versions
 from asyncflow_core.store.errors import (
     InvalidRequestError,
@@ -38,25 +39,11 @@ T = TypeVar("T")
 FEATURES = StoreFeatures(deployment="inprocess", zero_copy_get=False, supports_checkpoint=True)
 
 
-class InProcessStoreConfig(BaseModel):
-    """Options of the ``inprocess`` store."""
+class InProcessStoreConfig(StoreOptions):
+    """Options of the ``inprocess`` store (the shared controller options plus these)."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
-    capacity: int = Field(65536, ge=1, description="Most live rows (put and not yet collected); put blocks or fails beyond.")
-    lease_s: float = Field(600.0, gt=0, description="Default lease length in seconds; an unacknowledged lease then returns to free.")
-    sampler: str = Field("fifo", description="Sampler used when get_meta names none (a registered sampler name).")
-    sampler_options: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="Options per sampler name, passed to the sampler's config model."
-    )
-    group_size: int = Field(0, ge=0, description="Rows per complete prompt group, for the group sampler (0: ungrouped).")
-    token_columns: tuple[str, ...] = Field(
-        ("prompt_ids", "response_ids"),
-        description="Ragged columns whose lengths sum to a row's token count (used by length-aware samplers).",
-    )
-    max_candidates: int = Field(
-        65536, ge=0, description="Most eligible rows (the oldest) a sampler sees per get_meta, at least 4x the batch; 0: all."
-    )
     device: str = Field("cpu", description="Device the column values are kept on.")
     clock: Callable[[], float] | None = Field(
         None,
