@@ -126,6 +126,64 @@ def config_validate(
     out.print(f"{file}: valid")
 
 
+def _run_dir(cfg: Any, run_dir: Path | None) -> Path:
+    return run_dir if run_dir is not None else Path(cfg.logging.run_dir.format(name=cfg.name))
+
+
+def _run(file: Path, overrides: list[str] | None, run_dir: Path | None, progress: bool, virtual: bool) -> None:
+    import json
+    import logging
+
+    from asyncflow_core.config import load_config, resolve
+    from asyncflow_core.flow.launcher import launch
+
+    cfg = load_config(file, overrides or [])
+    logging.basicConfig(level=cfg.logging.level, format="%(levelname)s %(name)s: %(message)s")
+    resolved = resolve(cfg)
+    target = _run_dir(cfg, run_dir)
+    try:
+        summary = launch(resolved, virtual=virtual, run_dir=target, progress=progress and sys.stderr.isatty())
+    except KeyboardInterrupt:
+        err.print(f"interrupted; what was collected is in {target}")
+        raise typer.Exit(130) from None
+    out.print_json(json.dumps({k: v for k, v in summary.items() if k != "utilisation"}))
+    err.print(f"metrics, trace.json and timeline.png in {target}")
+
+
+@app.command("run")
+def run_cmd(
+    file: Annotated[Path, typer.Argument(help="YAML run config.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.total_steps=100.")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Where metrics and traces go (default: logging.run_dir).")] = None,
+    progress: Annotated[bool, typer.Option(help="Live progress display on a terminal.")] = True,
+) -> None:
+    """Run RL training as the config describes (the local launcher: one process, asyncio)."""
+    _run(file, overrides, run_dir, progress, virtual=False)
+
+
+@app.command("sim")
+def sim_cmd(
+    file: Annotated[Path, typer.Argument(help="YAML run config using simulated engines (rollout/trainer/transport: sim).")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.total_steps=100.")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Where metrics and traces go (default: logging.run_dir).")] = None,
+    progress: Annotated[bool, typer.Option(help="Live progress display on a terminal.")] = True,
+) -> None:
+    """Run a config on the virtual clock: the real runtime and store, time jumping to the next event."""
+    _run(file, overrides, run_dir, progress, virtual=True)
+
+
+@app.command("trace")
+def trace_cmd(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run's directory (holds spans.jsonl).")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="PNG path (default RUN_DIR/timeline.png).")] = None,
+) -> None:
+    """Render a run's timeline as a Gantt PNG (one lane per engine instance and stage)."""
+    from asyncflow_core.flow.telemetry import gantt_png, load_spans
+
+    path = gantt_png(load_spans(run_dir), output or run_dir / "timeline.png", title=str(run_dir))
+    out.print(f"wrote {path}")
+
+
 @app.command(
     "spec",
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},

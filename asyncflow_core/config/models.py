@@ -40,6 +40,10 @@ class ModelConfig(StrictModel):
     )
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="Parameter dtype.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped in the checkpoint to run.")
+    alphabet: str = Field(
+        "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz.,?",
+        description="Without `path`: a character tokenizer, token i = alphabet[i] (toy and simulated models).",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -67,6 +71,13 @@ class RolloutConfig(Component):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used by the trainer's log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k cut-off; -1 disables it.")
+    max_inflight: int = Field(256, ge=1, description="Most requests one replica works on at once (its batch/KV budget).")
+    rows_per_lease: int = Field(64, ge=1, description="Most prompt rows the dispatcher leases from the store at once.")
+    lease_s: float = Field(3600.0, gt=0, description="Lease on rows being generated; long enough for the longest sample.")
+    kv_cache: str = Field(
+        "recompute", pattern="^(keep|recompute)$",
+        description="KV cache of requests held across an in-flight weight update: keep or recompute.",
+    )
 
     @model_validator(mode="after")
     def _top_k(self) -> RolloutConfig:
@@ -171,6 +182,19 @@ class AsyncConfig(StrictModel):
         return self.max_staleness
 
 
+class PipelineConfig(StrictModel):
+    """How the flow runtime runs the stages."""
+
+    max_failure_rate: float = Field(
+        0.2, ge=0, le=1, description="Stop the run when more than this fraction of processed rows failed."
+    )
+    reward_batch: int = Field(32, ge=1, description="Rows a reward worker leases at once.")
+    logprob_batch: int = Field(64, ge=1, description="Rows a reference/proximal log-prob stage leases at once.")
+    write_interval_s: float = Field(
+        0.05, gt=0, description="Finished rollouts are written in batches at most this long after they finish."
+    )
+
+
 class LauncherConfig(Component):
     """Where the roles run."""
 
@@ -201,6 +225,7 @@ class RunConfig(StrictModel):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="RL algorithm.")
     reward: RewardConfig = Field(description="Reward.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Asynchrony and staleness.")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Flow runtime knobs.")
     launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="Launcher.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and traces.")
 

@@ -29,6 +29,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "asyncflow_plugins.algorithms",
     "asyncflow_plugins.rewards",
     "asyncflow_plugins.datasets",
+    "asyncflow_core.flow.launcher",
 )
 
 DISABLE_AUTOLOAD_ENV = "ASYNCFLOW_DISABLE_PLUGIN_AUTOLOAD"

@@ -166,9 +166,9 @@ class InProcessStore(StreamStore):
                 until_expiry = max(0.0, next_deadline - self._clock())
                 delay = until_expiry if delay is None else min(delay, until_expiry)
             try:
-                await asyncio.wait_for(asyncio.shield(fut), delay)
-            except asyncio.TimeoutError:
-                pass
+                # asyncio.wait, not wait_for: on Python 3.11 wait_for swallows a cancellation that races with
+                # the future completing, which would leave a cancelled consumer blocked here
+                await asyncio.wait((fut,), timeout=delay)
             finally:
                 if not fut.done():
                     with self._lock:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from asyncflow_core.errors import BatchError
 
@@ -80,7 +83,9 @@ class GenerationResult:
     """A finished (or aborted) completion.
 
     ``token_ids``, ``logprobs`` and ``versions`` are aligned, one entry per
-    generated token (the prompt excluded, a resumed prefix included):
+    generated token (the prompt excluded, a resumed prefix included). Each is
+    a sequence of numbers or a 1-D tensor (engines that already hold tensors
+    return them as they are; the runtime packs either without a Python loop):
     ``logprobs[i]`` is the log-prob of ``token_ids[i]`` under the sampling
     distribution (see :class:`SamplingParams`), ``versions[i]`` the policy
     version of the weights that sampled it.
@@ -88,9 +93,9 @@ class GenerationResult:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    versions: tuple[int, ...]
+    token_ids: Sequence[int] | torch.Tensor
+    logprobs: Sequence[float] | torch.Tensor
+    versions: Sequence[int] | torch.Tensor
     finish_reason: FinishReason
     error: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict, compare=False)
@@ -106,8 +111,12 @@ class GenerationResult:
     @property
     def min_version(self) -> int | None:
         """Oldest policy version among the tokens (``None`` when no token was generated)."""
-        return min(self.versions) if self.versions else None
+        if not len(self.versions):
+            return None
+        return int(self.versions.min()) if isinstance(self.versions, torch.Tensor) else min(self.versions)
 
     @property
     def max_version(self) -> int | None:
-        return max(self.versions) if self.versions else None
+        if not len(self.versions):
+            return None
+        return int(self.versions.max()) if isinstance(self.versions, torch.Tensor) else max(self.versions)

@@ -61,10 +61,12 @@ class StoreCore:
         now = time.monotonic()
         limits = [t for t in (deadline, self.controller.next_deadline()) if t is not None]
         wait_s = max(0.0, min(limits) - now) if limits else None
+        waiter = asyncio.ensure_future(event.wait())
         try:
-            await asyncio.wait_for(event.wait(), wait_s)
-        except asyncio.TimeoutError:
-            pass
+            # asyncio.wait, not wait_for: on Python 3.11 wait_for can swallow a cancellation (see inprocess.py)
+            await asyncio.wait((waiter,), timeout=wait_s)
+        finally:
+            waiter.cancel()
 
     # -- control calls ---------------------------------------------------------
 

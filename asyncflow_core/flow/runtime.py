@@ -1,0 +1,354 @@
+"""The flow runtime: builds a run's engines, store and stages from a resolved config and runs them.
+
+``await FlowRuntime(resolved).run()`` runs on whatever event loop it is
+awaited on. :func:`run_flow` picks the loop: a real one, or the virtual-clock
+loop (:mod:`asyncflow_core.flow.clock`) for simulated engines, where time
+jumps to the next timer so hours of simulated training take seconds.
+
+Config-time checks (each a :class:`ConfigError` saying what to change):
+k > 0 needs behavior log-probs and a declared off-policy correction; every
+column the algorithm needs must be produced by a stage; the store must hold
+the rows the bound lets be in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow_core import columns as C
+from asyncflow_core.config.loader import ResolvedConfig
+from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.ledger import Ledger
+from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage
+from asyncflow_core.flow.stages import (
+    AdvantageStage,
+    LogprobStage,
+    PromptFeeder,
+    RewardStage,
+    RolloutStage,
+    TrainStage,
+)
+from asyncflow_core.flow.telemetry import MetricsWriter, Timeline, gantt_png
+from asyncflow_core.flow.tokenizer import make_tokenizer
+from asyncflow_core.interfaces import KVCachePolicy, OffPolicyCorrection
+from asyncflow_core.plugins import get_plugin_manager
+from asyncflow_core.types import Batch, SamplingParams
+
+log = logging.getLogger("asyncflow.flow")
+
+#: columns the built-in stages produce
+_PRODUCED = {C.PROMPT_IDS, C.GROUP_ID, C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.REWARD,
+             C.ADVANTAGES}
+
+
+def check_off_policy(k: int, algorithm: Any) -> None:
+    """Refuse k > 0 unless the algorithm reads behavior log-probs and declares a correction."""
+    if k == 0:
+        return
+    if algorithm.correction is OffPolicyCorrection.NONE:
+        raise ConfigError(
+            f"async.max_staleness={k} trains on rows from older policies, but the algorithm declares no off-policy "
+            "correction; set algorithm.options.correction (e.g. truncated_is or decoupled) or use async.mode: sync"
+        )
+    if C.BEHAVIOR_LOGPROBS not in algorithm.required_columns:
+        raise ConfigError(
+            f"async.max_staleness={k} needs behavior log-probs in the loss, but the algorithm does not read "
+            f"{C.BEHAVIOR_LOGPROBS!r}; use an algorithm with an off-policy correction or async.mode: sync"
+        )
+
+
+class FlowRuntime:
+    """One run: engines, store, stages, weight sync, telemetry."""
+
+    def __init__(self, resolved: ResolvedConfig, *, run_dir: Path | None = None, progress: bool = False,
+                 write_png: bool = True) -> None:
+        self.resolved = resolved
+        self.config = resolved.config
+        self.run_dir = run_dir
+        self.progress = progress
+        self.write_png = write_png
+        self.pm = get_plugin_manager()
+        self.summary: dict[str, Any] = {}
+
+    def _create(self, section: str, **update: Any) -> Any:
+        comp = self.resolved.components[section]
+        options = comp.options
+        if update:
+            fields = type(options).model_fields
+            options = options.model_copy(update={k: v for k, v in update.items() if k in fields})
+        return comp.registered.record.factory(options)
+
+    def _replica_options(self, i: int) -> dict[str, Any]:
+        """Replica ``i`` samples with its own seed (a ``sampling_seed`` option, else ``seed``); replica 0 as configured."""
+        opts = self.resolved.components["rollout"].options
+        fields = type(opts).model_fields
+        for name in ("sampling_seed", "seed"):
+            if i and name in fields:
+                return {name: getattr(opts, name) + 7919 * i}
+        return {}
+
+    async def run(self) -> dict[str, Any]:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        clock = loop.time
+        k = cfg.async_.k
+        B, n = cfg.data.prompts_per_step, cfg.rollout.n
+        algorithm = self._create("algorithm")
+        check_off_policy(k, algorithm)
+        needs_old = C.OLD_LOGPROBS in algorithm.required_columns
+        needs_ref = C.REF_LOGPROBS in algorithm.required_columns
+        produced = set(_PRODUCED) | ({C.OLD_LOGPROBS} if needs_old else set()) | ({C.REF_LOGPROBS} if needs_ref else set())
+        missing = [c for c in algorithm.required_columns if c not in produced]
+        if missing:
+            raise ConfigError(f"algorithm {cfg.algorithm.name!r} needs columns no stage produces: {missing}")
+        if cfg.trainer.checkpoint_every:
+            raise ConfigError(
+                "trainer.checkpoint_every: the flow runtime does not write resumable checkpoints yet; set it to 0"
+            )
+        store_opts = self.resolved.components["store"].options
+        need_rows = (k + 2) * B * n
+        if getattr(store_opts, "capacity", need_rows) < need_rows:
+            raise ConfigError(
+                f"store.options.capacity={store_opts.capacity} cannot hold the {need_rows} rows that "
+                f"(max_staleness + 2) x prompts_per_step x n may keep live; raise it to at least {need_rows}"
+            )
+
+        dataset = self._create("data")
+        if len(dataset) == 0:
+            raise ConfigError("the dataset is empty; point data.options at a file with prompts")
+        tokenizer = make_tokenizer(cfg.model)
+        store = self._create("store", clock=clock, group_size=n)
+        transport = self._create("weight_transport")
+        trainer = self._create("trainer")
+        replicas = [self._create("rollout", **self._replica_options(i)) for i in range(cfg.rollout.replicas)]
+        reward = self._create("reward")
+        ref_engine = self._create("trainer") if needs_ref else None
+
+        timeline = Timeline(clock)
+        ctx = FlowContext(store=store, timeline=timeline, ledger=Ledger(), k=k, prompts_per_step=B, n=n, clock=clock,
+                          stale_policy=cfg.async_.stale_policy.value,
+                          max_failure_rate=cfg.pipeline.max_failure_rate)
+        metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.run_dir else None)
+        sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+        colocated = cfg.async_.mode.value == "sync"
+        rollout = RolloutStage(
+            replicas, transport, sampling, max_inflight=cfg.rollout.max_inflight,
+            rows_per_lease=cfg.rollout.rows_per_lease, lease_s=cfg.rollout.lease_s,
+            write_interval_s=cfg.pipeline.write_interval_s, deadline_s=cfg.weight_transport.deadline_s,
+            kv_cache=KVCachePolicy(cfg.rollout.kv_cache),
+        )
+        stages: list[Stage] = [
+            PromptFeeder(dataset, tokenizer, epochs=cfg.data.epochs, shuffle=cfg.data.shuffle, seed=cfg.seed),
+            rollout,
+            RewardStage(reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s),
+        ]
+        stages[2].batch_size = cfg.pipeline.reward_batch
+        if needs_ref:
+            stages.append(LogprobStage("ref", C.REF_LOGPROBS, ref_engine, batch_size=cfg.pipeline.logprob_batch))
+        if needs_old:
+            stages.append(LogprobStage("old", C.OLD_LOGPROBS, trainer, batch_size=cfg.pipeline.logprob_batch))
+        adv_inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
+        stages.append(AdvantageStage(algorithm, adv_inputs, n=n, groups_per_lease=1))
+        step_log = _StepLogger(ctx, metrics, self.progress, cfg.trainer.total_steps, sinks=_sinks(cfg, self.run_dir))
+        train = TrainStage(
+            trainer, algorithm, transport, rollout, consumes=adv_inputs, total_steps=cfg.trainer.total_steps,
+            bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20)), deadline_s=cfg.weight_transport.deadline_s,
+            colocated=colocated, on_step=step_log.on_step,
+        )
+        train.sampler = cfg.sampler.name
+        stages.append(train)
+
+        wall0 = time.perf_counter()
+        sim0 = clock()
+        interrupted = False
+        error: BaseException | None = None
+        try:
+            await trainer.setup()
+            if ref_engine is not None:
+                await ref_engine.setup()
+            for r in replicas:
+                await r.start()
+            for st in stages:
+                st.bind(ctx)
+                await store.register_task(st.name, consumes=st.consumes, produces=st.produces)
+            for st in stages:
+                await st.setup()
+            tasks = {asyncio.ensure_future(st.run()): st for st in stages}
+            stop_task = asyncio.ensure_future(ctx.stop.wait())
+            pending = set(tasks) | {stop_task}
+            while pending and not ctx.stop.is_set():
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t is stop_task or t.cancelled():
+                        continue
+                    exc = t.exception()
+                    if exc is not None:
+                        raise exc
+                if not (pending - {stop_task}):
+                    break
+            for t in pending:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*pending, return_exceptions=True)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            interrupted = True
+            ctx.halt("interrupted")
+        except BaseException as exc:  # noqa: BLE001 - reported after the telemetry is written
+            error = exc
+            ctx.halt(f"{type(exc).__name__}: {exc}")
+        finally:
+            step_log.close()
+            await _quietly(store.close())
+            await _quietly(transport.close())
+            for r in replicas:
+                await _quietly(r.shutdown())
+            await _quietly(trainer.shutdown())
+            if ref_engine is not None:
+                await _quietly(ref_engine.shutdown())
+            metrics.close()
+        sim_s = clock() - sim0
+        wall_s = time.perf_counter() - wall0
+        trained_samples = len(ctx.ledger.trained) * n
+        self.summary = {
+            "steps": int(trainer.version),
+            "stop_reason": ctx.stop_reason,
+            "run_seconds": sim_s,
+            "wall_seconds": wall_s,
+            "samples_trained": trained_samples,
+            "samples_per_s": trained_samples / sim_s if sim_s > 0 else 0.0,
+            "tokens_trained": step_log.tokens,
+            "staleness_histogram": {str(k_): v for k_, v in sorted(train.staleness_hist.items())},
+            "max_staleness": k,
+            "ledger": ctx.ledger.summary(),
+            "counters": {k_: int(v) for k_, v in sorted(ctx.counters.items())},
+            "utilisation": timeline.utilisation(sim0, sim0 + sim_s),
+        }
+        if self.run_dir is not None:
+            timeline.write(self.run_dir)
+            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+            if self.write_png:
+                gantt_png(timeline.spans and [s.__class__(s.lane, s.name, s.start - timeline.t0, s.end - timeline.t0)
+                                              for s in timeline.spans] or [], self.run_dir / "timeline.png",
+                          title=f"{cfg.name}: {cfg.async_.mode.value} k={k}")
+        if interrupted:
+            raise KeyboardInterrupt
+        if error is not None:
+            raise error
+        if ctx.stop_reason not in (None, "done") and not ctx.stop_reason.startswith("the prompt stream ended"):
+            raise RunStopped(ctx.stop_reason)
+        return self.summary
+
+
+async def _quietly(coro: Any) -> None:
+    try:
+        await coro
+    except Exception as exc:  # noqa: BLE001 - teardown must reach every component
+        log.warning("teardown: %s: %s", type(exc).__name__, exc)
+
+
+class _StepLogger:
+    """Per-step metrics (JSONL) and the live progress display."""
+
+    def __init__(self, ctx: FlowContext, writer: MetricsWriter, progress: bool, total: int,
+                 sinks: list[Any] | None = None) -> None:
+        self.ctx = ctx
+        self.sinks = sinks or []
+        self.writer = writer
+        self.tokens = 0
+        self.total = total
+        self._last_end = ctx.clock()
+        self._last_counters: Counter[str] = Counter()
+        self._progress = None
+        self._task = None
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+            self._progress.start()
+            self._task = self._progress.add_task("steps", total=total, info="")
+
+    async def on_step(self, version: int, t_begin: float, batch: Batch, metrics: dict[str, float], report: Any,
+                      lag: torch.Tensor) -> None:
+        ctx = self.ctx
+        now = ctx.clock()
+        resp = batch[C.RESPONSE_IDS]
+        prompt = batch[C.PROMPT_IDS]
+        tokens = int(resp.numel_packed + prompt.numel_packed)  # type: ignore[union-attr]
+        self.tokens += tokens
+        width = now - self._last_end
+        counters = Counter({k: v for k, v in ctx.counters.items()})
+        counters.update(ctx.ledger.counters)
+        delta = {k: int(v - self._last_counters.get(k, 0)) for k, v in counters.items() if v != self._last_counters.get(k, 0)}
+        self._last_counters = counters
+        hist = Counter(lag.tolist())
+        util = ctx.timeline.utilisation(self._last_end, now)
+        record = {
+            "step": version + 1,
+            "time_s": now - ctx.timeline.t0,
+            "step_seconds": width,
+            "reward_mean": float(batch[C.REWARD].float().mean()),
+            "samples": batch.num_rows,
+            "tokens": tokens,
+            "tokens_per_s": tokens / width if width > 0 else 0.0,
+            "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
+            "weight_sync_s": report.seconds,
+            "weight_bytes": report.bytes,
+            "events": delta,
+            "utilisation": {k: round(v, 4) for k, v in sorted(util.items())},
+            **{f"train/{k}": float(v) for k, v in metrics.items()},
+        }
+        self.writer.write(record)
+        scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float))}
+        for sink in self.sinks:
+            sink(version + 1, scalars)
+        self._last_end = now
+        if self._progress is not None:
+            self._progress.update(self._task, completed=version + 1,
+                                  info=f"reward {record['reward_mean']:.3f}  {record['tokens_per_s']:.0f} tok/s")
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def _sinks(cfg: Any, run_dir: Path | None) -> list[Any]:
+    """Optional scalar sinks: TensorBoard event files and W&B, each only when asked for and installed."""
+    sinks: list[Any] = []
+    if cfg.logging.tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise ConfigError("logging.tensorboard needs the tensorboard package: pip install tensorboard") from exc
+        writer = SummaryWriter(str((run_dir or Path(".")) / "tensorboard"))
+        sinks.append(lambda step, scalars: [writer.add_scalar(k, v, step) for k, v in scalars.items()])
+    if cfg.logging.wandb_project:
+        try:
+            import wandb  # type: ignore[import-not-found]
+        except ImportError as exc:
+            raise ConfigError("logging.wandb_project needs wandb: pip install wandb") from exc
+        wandb.init(project=cfg.logging.wandb_project, name=cfg.name, config=cfg.model_dump(mode="json", by_alias=True))
+        sinks.append(lambda step, scalars: wandb.log(scalars, step=step))
+    return sinks
+
+
+def run_flow(resolved: ResolvedConfig, *, virtual: bool = False, run_dir: Path | None = None,
+             progress: bool = False, write_png: bool = True) -> dict[str, Any]:
+    """Run to completion on a fresh event loop (the virtual-clock loop when ``virtual``); returns the summary."""
+    runtime = FlowRuntime(resolved, run_dir=run_dir, progress=progress, write_png=write_png)
+    if virtual:
+        from asyncflow_core.flow.clock import run_virtual
+
+        return run_virtual(runtime.run())
+    return asyncio.run(runtime.run())

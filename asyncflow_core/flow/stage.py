@@ -1,0 +1,222 @@
+"""The stage contract: a loop that leases rows, reads columns, computes, writes columns and acknowledges.
+
+A :class:`Stage` declares the columns it ``consumes`` and ``produces``; the
+runtime registers it as a store task and runs :meth:`Stage.run` as one
+asyncio task. Most stages only implement :meth:`Stage.process` (a batch in,
+columns out) and inherit the loop; the rollout and train stages override
+``run`` because they schedule engines.
+
+Rows a stage fails on are not lost and do not stop the pipeline: the stage
+writes placeholder values for its outputs, the row is recorded as failed
+(with the error) in :class:`FlowContext`, later stages skip it, and the
+trainer drops its prompt group (counted). A failure rate above
+``pipeline.max_failure_rate`` stops the run with a clear message.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncflow_core.errors import AsyncflowError
+from asyncflow_core.flow.ledger import Ledger
+from asyncflow_core.flow.telemetry import Timeline
+from asyncflow_core.interfaces.store import BatchMeta, StreamStore
+from asyncflow_core.types import Batch, Column, RaggedTensor
+
+log = logging.getLogger("asyncflow.flow")
+
+
+class RunStopped(AsyncflowError):
+    """The run was stopped (failure-rate limit, a dead engine pool, or a fatal stage error); the message says why."""
+
+    exit_code = 1
+
+
+@dataclass
+class FlowContext:
+    """What every stage of one run shares."""
+
+    store: StreamStore
+    timeline: Timeline
+    ledger: Ledger
+    k: int  #: staleness bound
+    prompts_per_step: int  #: B
+    n: int  #: samples per prompt
+    clock: Callable[[], float]
+    stale_policy: str = "requeue"  #: requeue | drop
+    max_failure_rate: float = 0.2
+    min_samples_for_rate: int = 32
+    version: int = 0  #: trainer version (published weights)
+    published: int = 0  #: newest version staged in the weight transport
+    failed: dict[int, str] = field(default_factory=dict)  #: row id -> error of rows a stage failed on
+    counters: Counter[str] = field(default_factory=Counter)
+    processed: Counter[str] = field(default_factory=Counter)  #: rows processed per stage
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_reason: str | None = None
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)  #: version/published/ledger changes
+
+    async def notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: predicate() or self.stop.is_set())
+
+    def fail_rows(self, stage: str, row_ids: Sequence[int], error: str) -> None:
+        for r in row_ids:
+            self.failed.setdefault(int(r), f"{stage}: {error}")
+        self.counters[f"failed_{stage}"] += len(row_ids)
+        total = sum(self.processed.values())
+        failures = sum(v for k, v in self.counters.items() if k.startswith("failed_"))
+        if total >= self.min_samples_for_rate and failures / total > self.max_failure_rate:
+            self.halt(
+                f"{failures} of {total} rows failed (> pipeline.max_failure_rate={self.max_failure_rate}); "
+                f"last error in stage {stage!r}: {error}. Fix the stage or raise the limit"
+            )
+
+    def failed_mask(self, row_ids: torch.Tensor) -> torch.Tensor:
+        if not self.failed:
+            return torch.zeros(row_ids.numel(), dtype=torch.bool)
+        return torch.tensor([int(r) in self.failed for r in row_ids.tolist()], dtype=torch.bool)
+
+    def halt(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        self.stop.set()
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """What :meth:`Stage.process` returns: columns for every input row, optional version ranges."""
+
+    columns: Mapping[str, Column]
+    versions: torch.Tensor | None = None
+
+
+class Stage(abc.ABC):
+    """One RL task as a store consumer/producer. Subclasses set the class attributes or override them."""
+
+    name: str = "stage"  #: store task name and telemetry lane
+    consumes: tuple[str, ...] = ()
+    produces: tuple[str, ...] = ()
+    batch_size: int = 32  #: rows per lease (a lease returns fewer when ``partial``)
+    sampler: str | None = "fifo"
+    partial: bool = True
+    concurrency: int = 1  #: leases processed at once
+    span_name: str = "process"
+
+    ctx: FlowContext
+
+    def bind(self, ctx: FlowContext) -> None:
+        self.ctx = ctx
+
+    async def setup(self) -> None:
+        """Called once before the loop (engines are already set up)."""
+
+    async def process(self, batch: Batch) -> StageOutput:
+        """Compute the produced columns for ``batch`` (rows failed upstream are already excluded)."""
+        raise NotImplementedError
+
+    def placeholder(self, batch: Batch) -> dict[str, Column]:
+        """Outputs written for failed rows (zeros / empty sequences); override for non-float columns."""
+        n = batch.num_rows
+        out: dict[str, Column] = {}
+        for col in self.produces:
+            ragged_like = batch.get("response_ids")
+            if col in ("reward", "group_id") or not isinstance(ragged_like, RaggedTensor):
+                out[col] = torch.zeros(n, dtype=torch.float32)
+            else:
+                out[col] = RaggedTensor(torch.zeros(ragged_like.numel_packed, dtype=torch.float32),
+                                        ragged_like.offsets)
+        return out
+
+    async def run(self) -> None:
+        """The default loop; ``concurrency`` copies run side by side."""
+        await asyncio.gather(*(self._loop(i) for i in range(self.concurrency)))
+
+    async def _loop(self, worker: int) -> None:
+        ctx = self.ctx
+        store = ctx.store
+        lane = self.name if self.concurrency == 1 else f"{self.name}/{worker}"
+        while not ctx.stop.is_set():
+            meta = await store.get_meta(self.name, self.consumes, self.batch_size, sampler=self.sampler,
+                                        partial=self.partial, consumer=f"{self.name}/{worker}")
+            if meta.end_of_stream:
+                return
+            with ctx.timeline.span(lane, self.span_name):
+                batch = await store.get(meta)
+                await self.handle(meta, batch)
+            await store.ack(meta)
+
+    async def handle(self, meta: BatchMeta, batch: Batch) -> None:
+        """Process ``batch``, isolating failing rows, and write the outputs to ``meta``'s rows."""
+        ctx = self.ctx
+        failed = ctx.failed_mask(meta.row_ids)
+        good = (~failed).nonzero().squeeze(1)
+        out_cols: dict[str, Column] | None = None
+        versions = None
+        if good.numel():
+            sub = batch if good.numel() == batch.num_rows else batch.select(good)
+            try:
+                res = await self.process(sub)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - isolate the failing rows below
+                res = await self._rowwise(sub, exc)
+            if good.numel() == batch.num_rows:
+                out_cols, versions = dict(res.columns), res.versions
+            else:
+                out_cols = _scatter(batch, good, dict(res.columns), self.placeholder(batch))
+        else:
+            out_cols = self.placeholder(batch)
+        ctx.processed[self.name] += int(good.numel())
+        await ctx.store.put(out_cols, rows=meta, versions=versions)
+
+    async def _rowwise(self, batch: Batch, first: Exception) -> StageOutput:
+        """Retry a failed batch one row at a time; rows that still raise are recorded failed."""
+        parts: list[dict[str, Column]] = []
+        ids = batch.row_ids if batch.row_ids is not None else torch.arange(batch.num_rows)
+        for i in range(batch.num_rows):
+            one = batch.select(torch.tensor([i]))
+            try:
+                parts.append(dict((await self.process(one)).columns))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded per row
+                self.ctx.fail_rows(self.name, [int(ids[i])], f"{type(exc).__name__}: {exc}")
+                parts.append(self.placeholder(one))
+        log.debug("stage %s: batch failed (%s); retried row by row", self.name, first)
+        return StageOutput(_cat_columns(parts))
+
+
+def _cat_columns(parts: list[dict[str, Column]]) -> dict[str, Column]:
+    out: dict[str, Column] = {}
+    for name in parts[0]:
+        cols = [p[name] for p in parts]
+        out[name] = RaggedTensor.cat(cols) if isinstance(cols[0], RaggedTensor) else torch.cat(cols)  # type: ignore[arg-type]
+    return out
+
+
+def _scatter(batch: Batch, good: torch.Tensor, values: dict[str, Column], fill: dict[str, Column]) -> dict[str, Column]:
+    """Merge outputs computed for rows ``good`` into placeholders for all rows (row order kept)."""
+    n = batch.num_rows
+    pos = torch.full((n,), -1, dtype=torch.int64)
+    pos[good] = torch.arange(good.numel())
+    out: dict[str, Column] = {}
+    for name, filler in fill.items():
+        v = values[name]
+        rows: list[Column] = []
+        for i in range(n):
+            src, j = (v, int(pos[i])) if pos[i] >= 0 else (filler, i)
+            rows.append(src.select(torch.tensor([j])) if isinstance(src, RaggedTensor) else src[j : j + 1])
+        out[name] = RaggedTensor.cat(rows) if isinstance(rows[0], RaggedTensor) else torch.cat(rows)  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,721 @@
+"""The standard RL pipeline's stages: feeder -> rollout -> reward -> (ref / old log-probs) -> advantage -> train.
+
+Each is a :class:`~asyncflow_core.flow.stage.Stage`; see
+``docs/architecture.md`` ("The flow runtime") for how they overlap and how
+the staleness bound is enforced (:mod:`asyncflow_core.flow.staleness`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncflow_core import columns as C
+from asyncflow_core.errors import EngineError
+from asyncflow_core.flow import staleness as S
+from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage, StageOutput
+from asyncflow_core.flow.tokenizer import Tokenizer
+from asyncflow_core.interfaces import (
+    Algorithm,
+    Dataset,
+    KVCachePolicy,
+    PauseMode,
+    Reward,
+    RolloutEngine,
+    TrainEngine,
+    WeightTransport,
+)
+from asyncflow_core.interfaces.store import BatchMeta
+from asyncflow_core.types import (
+    Batch,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RaggedTensor,
+    RewardInput,
+    SamplingParams,
+    WeightBucket,
+)
+
+log = logging.getLogger("asyncflow.flow")
+
+ROLLOUT_OUT = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS)
+
+
+# ------------------------------------------------------------------------------------------- feeder
+
+
+class PromptFeeder(Stage):
+    """Puts ``n`` rows per admitted prompt (a group), under the admission bound; re-queued prompts first."""
+
+    name = "feeder"
+    produces = (C.PROMPT_IDS, C.GROUP_ID)
+
+    def __init__(self, dataset: Dataset, tokenizer: Tokenizer, *, epochs: int, shuffle: bool, seed: int) -> None:
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.epochs = epochs
+        self.shuffle = shuffle
+        self.seed = seed
+        self._token_cache: dict[int, tuple[int, ...]] = {}
+
+    def _order(self) -> AsyncIterator[int] | Any:
+        n = len(self.dataset)
+        for epoch in range(self.epochs):
+            if self.shuffle:
+                perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+            else:
+                perm = list(range(n))
+            for idx in perm:
+                yield epoch * n + idx, idx
+
+    def _tokens(self, index: int) -> tuple[int, ...]:
+        ids = self._token_cache.get(index)
+        if ids is None:
+            rec = self.dataset[index]
+            ids = tuple(rec.prompt_token_ids) or tuple(self.tokenizer.encode(rec.prompt))
+            if not ids:
+                raise RunStopped(f"dataset record {index} has an empty prompt; remove it or give it text")
+            self._token_cache[index] = ids
+        return ids
+
+    async def run(self) -> None:
+        ctx, led = self.ctx, self.ctx.ledger
+        order = iter(self._order())
+        exhausted = False
+        while not ctx.stop.is_set():
+            def can_go() -> bool:
+                admit = not exhausted and led.net_started < S.admission_limit(ctx.version, ctx.k, ctx.prompts_per_step)
+                return bool(led.requeue) or admit or (exhausted and led.outstanding == 0)
+
+            if not can_go():
+                with ctx.timeline.span(self.name, "admission_wait"):
+                    await ctx.wait_for(can_go)
+            if ctx.stop.is_set():
+                return
+            groups = []
+            while led.requeue:
+                info = led.requeue.popleft()
+                groups.append(led.new_group(info.prompt_uid, info.record, info.attempt))
+            while not exhausted and led.net_started < S.admission_limit(ctx.version, ctx.k, ctx.prompts_per_step):
+                nxt = next(order, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                uid, idx = nxt
+                groups.append(led.admit(uid, self.dataset[idx]))
+            if groups:
+                await self._put(groups)
+            elif exhausted and led.outstanding == 0 and not led.requeue:
+                await ctx.store.end_stream()
+                return
+
+    async def _put(self, groups: list) -> None:
+        n = self.ctx.n
+        seqs: list[torch.Tensor] = []
+        gids: list[int] = []
+        for g in groups:
+            ids = torch.tensor(self._tokens(g.record.index), dtype=torch.int64)
+            seqs.extend([ids] * n)
+            gids.extend([g.group_id] * n)
+        lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+        prompt = RaggedTensor.from_lengths(torch.cat(seqs), lengths)
+        await self.ctx.store.put({C.PROMPT_IDS: prompt, C.GROUP_ID: torch.tensor(gids, dtype=torch.int64)},
+                                 group_ids=torch.tensor(gids, dtype=torch.int64))
+        self.ctx.counters["prompts_started"] += len(groups)
+
+
+# ------------------------------------------------------------------------------------------ rollout
+
+
+@dataclass
+class _Lease:
+    meta: BatchMeta
+    remaining: int
+
+
+@dataclass
+class _Req:
+    row: int
+    lease: _Lease
+    prompt: tuple[int, ...]
+    group: int
+    attempt: int = 0
+    prefix_ids: tuple[int, ...] = ()
+    prefix_lps: tuple[float, ...] = ()
+    prefix_versions: tuple[int, ...] = ()
+    start_version: int = 0  #: oldest version its tokens can have (replica version at submission, or the prefix's)
+
+    @property
+    def request_id(self) -> str:
+        return f"row{self.row}-try{self.attempt}"
+
+
+@dataclass
+class Replica:
+    index: int
+    engine: RolloutEngine
+    inflight: dict[str, _Req] = field(default_factory=dict)
+    dead: bool = False
+    updating: bool = False
+
+    @property
+    def lane(self) -> str:
+        return f"rollout/{self.index}"
+
+
+class RolloutStage(Stage):
+    """Dispatches prompt rows to engine replicas, writes completions row by row as they finish.
+
+    One dispatcher leases rows (up to the replicas' free slots) and assigns
+    each to the eligible replica with the most free slots; a replica is
+    eligible when alive, not full, and its weights are inside the bound
+    (:func:`~asyncflow_core.flow.staleness.engine_may_start`). Per replica a
+    weight-sync task pulls each published version from the transport and
+    applies it at a safe point (in flight when the engine supports it,
+    otherwise pause(abort) -> update -> resume, re-submitting the aborted
+    requests with their tokens as a prefix when the engine can resume).
+    """
+
+    name = "rollout"
+    consumes = (C.PROMPT_IDS, C.GROUP_ID)
+    produces = ROLLOUT_OUT
+
+    def __init__(
+        self, replicas: list[RolloutEngine], transport: WeightTransport, sampling: SamplingParams, *,
+        max_inflight: int, rows_per_lease: int, lease_s: float, write_interval_s: float, deadline_s: float,
+        kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE,
+    ) -> None:
+        self.replicas = [Replica(i, e) for i, e in enumerate(replicas)]
+        self.transport = transport
+        self.sampling = sampling
+        self.max_inflight = max_inflight
+        self.rows_per_lease = rows_per_lease
+        self.lease_s = lease_s
+        self.write_interval_s = write_interval_s
+        self.deadline_s = deadline_s
+        self.kv_cache = kv_cache
+        self._pending: list[_Req] = []
+        self._buffer: list[tuple[_Req, GenerationResult | None]] = []
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task] = set()
+        self._busy_since: dict[int, float] = {}
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _eligible(self, r: Replica) -> bool:
+        return (not r.dead and not r.updating and len(r.inflight) < self.max_inflight
+                and S.engine_may_start(r.engine.version, self.ctx.version, self.ctx.k))
+
+    def _free_slots(self) -> int:
+        return sum(self.max_inflight - len(r.inflight) for r in self.replicas if self._eligible(r))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.ctx.halt(f"rollout stage failed: {type(exc).__name__}: {exc}")
+
+    def _mark_busy(self, r: Replica) -> None:
+        now = self.ctx.clock()
+        if r.inflight and r.index not in self._busy_since:
+            self._busy_since[r.index] = now
+        elif not r.inflight and r.index in self._busy_since:
+            self.ctx.timeline.add(r.lane, "generate", self._busy_since.pop(r.index), now)
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        for r in self.replicas:
+            self._spawn(self._weight_sync(r))
+        self._spawn(self._stale_watch())
+        try:
+            while not ctx.stop.is_set():
+                await ctx.wait_for(lambda: self._free_slots() > len(self._pending) or self._all_dead())
+                if self._all_dead():
+                    ctx.halt("every rollout replica died; see the log for their errors")
+                    return
+                if ctx.stop.is_set():
+                    return
+                want = min(self.rows_per_lease, self._free_slots() - len(self._pending))
+                meta = await ctx.store.get_meta(self.name, self.consumes, want, partial=True,
+                                                lease_s=self.lease_s, consumer=self.name)
+                if meta.end_of_stream:
+                    break
+                batch = await ctx.store.get(meta)
+                lease = _Lease(meta, len(meta))
+                prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
+                gids = batch[C.GROUP_ID].tolist()
+                for i, row in enumerate(meta.row_ids.tolist()):
+                    self._pending.append(_Req(row, lease, tuple(prompts[i].tolist()), int(gids[i])))
+                self._dispatch()
+                await asyncio.sleep(0)
+            # stream ended: wait for what is in flight
+            await ctx.wait_for(lambda: all(not r.inflight for r in self.replicas) and not self._pending)
+            await self._flush()
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+
+    def _all_dead(self) -> bool:
+        return all(r.dead for r in self.replicas)
+
+    def _dispatch(self) -> None:
+        """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
+        per: dict[int, list[_Req]] = {}
+        still: list[_Req] = []
+        for req in self._pending:
+            cands = [r for r in self.replicas if self._eligible(r)]
+            if not cands:
+                still.append(req)
+                continue
+            r = max(cands, key=lambda r: self.max_inflight - len(r.inflight))
+            req.start_version = min([r.engine.version, *req.prefix_versions])
+            r.inflight[req.request_id] = req
+            per.setdefault(r.index, []).append(req)
+        self._pending = still
+        for idx, reqs in per.items():
+            r = self.replicas[idx]
+            self._mark_busy(r)
+            self._spawn(self._drive(r, reqs))
+
+    def _request(self, req: _Req) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt, sampling=self.sampling,
+            prefix_token_ids=req.prefix_ids, prefix_logprobs=req.prefix_lps, prefix_versions=req.prefix_versions,
+        )
+
+    async def _drive(self, r: Replica, reqs: list[_Req]) -> None:
+        try:
+            async for res in r.engine.generate([self._request(q) for q in reqs]):
+                await self._on_result(r, res)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a dying engine must not take the run down
+            await self._replica_died(r, exc)
+
+    async def _replica_died(self, r: Replica, exc: BaseException) -> None:
+        if r.dead:
+            return
+        r.dead = True
+        orphans = list(r.inflight.values())
+        r.inflight.clear()
+        self._mark_busy(r)
+        self.ctx.counters["replicas_died"] += 1
+        self.ctx.counters["requeued_engine_death"] += len(orphans)
+        log.error("rollout replica %d died (%s: %s); re-queuing its %d requests", r.index, type(exc).__name__, exc,
+                  len(orphans))
+        for q in orphans:
+            q.attempt += 1
+            q.prefix_ids, q.prefix_lps, q.prefix_versions = (), (), ()
+            self._pending.append(q)
+        self._dispatch()
+        await self.ctx.notify()
+
+    async def _on_result(self, r: Replica, res: GenerationResult) -> None:
+        ctx = self.ctx
+        req = r.inflight.pop(res.request_id, None)
+        self._mark_busy(r)
+        if req is None:
+            return  # a request we already gave up on
+        if res.finish_reason is FinishReason.ERROR:
+            ctx.fail_rows(self.name, [req.row], res.error or "engine error")
+            await self._write(req, None)
+        elif res.finish_reason is FinishReason.ABORT:
+            if ctx.stop.is_set():
+                return
+            self._resubmit(r, req, res)
+        elif res.min_version is not None and S.must_abort(res.min_version, ctx.version, ctx.k):
+            self._stale(req)
+        else:
+            await self._write(req, res)
+        self._dispatch()
+        await ctx.notify()
+
+    def _resubmit(self, r: Replica, req: _Req, res: GenerationResult) -> None:
+        ctx = self.ctx
+        fresh_prefix = res.min_version is None or not S.must_abort(res.min_version, ctx.version, ctx.k)
+        if len(res.token_ids) and fresh_prefix and r.engine.features.supports_resume_prefix:
+            req.prefix_ids = tuple(int(t) for t in res.token_ids)
+            req.prefix_lps = tuple(float(x) for x in res.logprobs)
+            req.prefix_versions = tuple(int(v) for v in res.versions)
+            ctx.counters["resumed_partial"] += 1
+            req.attempt += 1
+            self._pending.append(req)
+        elif not fresh_prefix:
+            self._stale(req)
+        else:
+            req.prefix_ids, req.prefix_lps, req.prefix_versions = (), (), ()
+            req.attempt += 1
+            ctx.counters["restarted_abort"] += 1
+            self._pending.append(req)
+
+    def _stale(self, req: _Req) -> None:
+        """A generation that can no longer be used: start it again on fresh weights (requeue) or drop its group."""
+        ctx = self.ctx
+        if ctx.stale_policy == "drop":
+            ctx.failed.setdefault(req.row, "stale")
+            ctx.counters["stale_rows_dropped"] += 1
+            self._spawn(self._write(req, None))
+            return
+        req.prefix_ids, req.prefix_lps, req.prefix_versions = (), (), ()
+        req.attempt += 1
+        ctx.counters["requeued_stale_rollout"] += 1
+        self._pending.append(req)
+
+    async def _write(self, req: _Req, res: GenerationResult | None) -> None:
+        self._buffer.append((req, res))
+        if len(self._buffer) >= 64:
+            await self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_later(self.write_interval_s, lambda: self._spawn(self._flush()))
+
+    async def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self._buffer:
+            return
+        items, self._buffer = self._buffer, []
+        rows = torch.tensor([q.row for q, _ in items], dtype=torch.int64)
+        ids, lps, vers, lengths, vrange = [], [], [], [], []
+        for _, res in items:
+            if res is None:
+                ids.append(torch.empty(0, dtype=torch.int64))
+                lps.append(torch.empty(0, dtype=torch.float32))
+                vers.append(torch.empty(0, dtype=torch.int64))
+                lengths.append(0)
+                vrange.append((self.ctx.version, self.ctx.version))
+                continue
+            ids.append(torch.as_tensor(res.token_ids, dtype=torch.int64))
+            lps.append(torch.as_tensor(res.logprobs, dtype=torch.float32))
+            vers.append(torch.as_tensor(res.versions, dtype=torch.int64))
+            lengths.append(len(res.token_ids))
+            lo = res.min_version if res.min_version is not None else self.ctx.version
+            hi = res.max_version if res.max_version is not None else self.ctx.version
+            vrange.append((lo, hi))
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        cols = {
+            C.RESPONSE_IDS: RaggedTensor.from_lengths(torch.cat(ids), lens),
+            C.BEHAVIOR_LOGPROBS: RaggedTensor.from_lengths(torch.cat(lps), lens),
+            C.RESPONSE_VERSIONS: RaggedTensor.from_lengths(torch.cat(vers), lens),
+        }
+        await self.ctx.store.put(cols, rows=BatchMeta(row_ids=rows), versions=torch.tensor(vrange))
+        self.ctx.processed[self.name] += len(items)
+        self.ctx.counters["tokens_generated"] += int(lens.sum())
+        done: dict[int, _Lease] = {}
+        for q, _ in items:
+            q.lease.remaining -= 1
+            if q.lease.remaining == 0:
+                done[id(q.lease)] = q.lease
+        for lease in done.values():
+            await self.ctx.store.ack(lease.meta)
+        await self.ctx.notify()
+
+    # -- weights and staleness -------------------------------------------------------------
+
+    async def _weight_sync(self, r: Replica) -> None:
+        ctx = self.ctx
+        while not ctx.stop.is_set() and not r.dead:
+            await ctx.wait_for(lambda: ctx.published > r.engine.version or r.dead)
+            if ctx.stop.is_set() or r.dead:
+                return
+            with ctx.timeline.span(r.lane, "update_weights"):
+                await self._update(r)
+            ctx.counters["weight_updates"] += 1
+            self._dispatch()
+            await ctx.notify()
+
+    async def _update(self, r: Replica) -> None:
+        ctx = self.ctx
+        stream = self.transport.receive(min_version=r.engine.version + 1, deadline_s=self.deadline_s)
+        first = await stream.__anext__()
+
+        async def chain() -> AsyncIterator[WeightBucket]:
+            yield first
+            async for b in stream:
+                yield b
+
+        feats = r.engine.features
+        if r.inflight and not feats.supports_inflight_weight_update and feats.supports_pause_abort:
+            r.updating = True
+            try:
+                await r.engine.pause(PauseMode.ABORT)
+                await r.engine.update_weights(first.version, chain(), kv_cache=self.kv_cache)
+            finally:
+                r.updating = False
+                await r.engine.resume()
+            ctx.counters["paused_for_update"] += 1
+        else:
+            await r.engine.update_weights(first.version, chain(), kv_cache=self.kv_cache)
+
+    async def _stale_watch(self) -> None:
+        """On every trainer version, abort in-flight requests that can no longer be used."""
+        ctx = self.ctx
+        seen = ctx.version
+        while not ctx.stop.is_set():
+            await ctx.wait_for(lambda: ctx.version != seen)
+            seen = ctx.version
+            for r in self.replicas:
+                if r.dead or not r.engine.features.supports_abort:
+                    continue
+                ids = [rid for rid, q in r.inflight.items() if S.must_abort(q.start_version, seen, ctx.k)]
+                if ids:
+                    ctx.counters["aborted_stale"] += len(ids)
+                    try:
+                        await r.engine.abort(ids)
+                    except Exception as exc:  # noqa: BLE001
+                        await self._replica_died(r, exc)
+
+    async def sleep_all(self) -> None:
+        for r in self.replicas:
+            if not r.dead and r.engine.features.supports_sleep:
+                await r.engine.sleep(1)
+
+    async def wake_all(self) -> None:
+        for r in self.replicas:
+            if not r.dead and r.engine.features.supports_sleep:
+                await r.engine.wake_up()
+
+
+# ------------------------------------------------------------------------------------------- reward
+
+
+class RewardStage(Stage):
+    """Scores each completion with the reward plugin; a sample whose reward raises or times out is failed."""
+
+    name = "reward"
+    consumes = (C.PROMPT_IDS, C.RESPONSE_IDS, C.GROUP_ID)
+    produces = (C.REWARD,)
+    span_name = "score"
+
+    def __init__(self, reward: Reward, tokenizer: Tokenizer, *, workers: int, timeout_s: float) -> None:
+        self.reward = reward
+        self.tokenizer = tokenizer
+        self.concurrency = workers
+        self.timeout_s = timeout_s
+        self.needs_text = bool(getattr(reward, "needs_text", True))
+        self.extra: Counter[str] = Counter()
+
+    async def process(self, batch: Batch) -> StageOutput:
+        ctx = self.ctx
+        resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
+        prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
+        gids = batch[C.GROUP_ID].tolist()
+        rows = batch.row_ids.tolist() if batch.row_ids is not None else list(range(batch.num_rows))
+        out = torch.zeros(batch.num_rows, dtype=torch.float32)
+        for i in range(batch.num_rows):
+            info = ctx.ledger.groups.get(int(gids[i]))
+            record = info.record if info is not None else None
+            completion_ids = resp[i]
+            sample = RewardInput(
+                prompt=record.prompt if record else "",
+                completion=self.tokenizer.decode(completion_ids.tolist()) if self.needs_text else "",
+                prompt_token_ids=tuple(prompts[i].tolist()) if self.needs_text else (),
+                completion_token_ids=tuple(completion_ids.tolist()) if self.needs_text else (),
+                metadata=dict(record.metadata) if record else {},
+            )
+            try:
+                value = self.reward.score(sample)
+                if inspect.isawaitable(value):
+                    value = await asyncio.wait_for(value, self.timeout_s)
+                if isinstance(value, dict):
+                    for key, v in value.items():
+                        if key != "reward":
+                            self.extra[key] += float(v)
+                    value = value["reward"]
+                out[i] = float(value)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one sample's failure is recorded, the run goes on
+                why = f"timed out after {self.timeout_s}s" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+                ctx.fail_rows(self.name, [rows[i]], why)
+        return StageOutput({C.REWARD: out})
+
+
+# ---------------------------------------------------------------------------------------- log-probs
+
+
+class LogprobStage(Stage):
+    """Log-probs of the responses under a train engine: the frozen reference (``ref``) or the proximal policy (``old``)."""
+
+    span_name = "logprobs"
+    consumes = (C.PROMPT_IDS, C.RESPONSE_IDS)
+
+    def __init__(self, name: str, column: str, engine: TrainEngine, *, batch_size: int) -> None:
+        self.name = name
+        self.produces = (column,)
+        self.engine = engine
+        self.batch_size = batch_size
+
+    async def process(self, batch: Batch) -> StageOutput:
+        out = await self.engine.compute_logprobs(batch.project([C.PROMPT_IDS, C.RESPONSE_IDS]))
+        return StageOutput({self.produces[0]: out[C.LOGPROBS]})
+
+
+# ---------------------------------------------------------------------------------------- advantage
+
+
+class AdvantageStage(Stage):
+    """Group-relative (or any algorithm's) advantages over whole prompt groups (the group sampler)."""
+
+    name = "advantage"
+    produces = (C.ADVANTAGES,)
+    sampler = "group"
+    span_name = "advantages"
+
+    def __init__(self, algorithm: Algorithm, consumes: Sequence[str], *, n: int, groups_per_lease: int) -> None:
+        self.algorithm = algorithm
+        self.consumes = tuple(dict.fromkeys([C.RESPONSE_IDS, C.GROUP_ID, *consumes]))
+        self.batch_size = n * groups_per_lease
+
+    def placeholder(self, batch: Batch) -> dict[str, Any]:
+        resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
+        return {C.ADVANTAGES: RaggedTensor(torch.zeros(resp.numel_packed, dtype=torch.float32), resp.offsets)}
+
+    async def handle(self, meta: BatchMeta, batch: Batch) -> None:
+        # a group with a failed row is skipped whole (the trainer drops it); others get advantages
+        ctx = self.ctx
+        failed = ctx.failed_mask(meta.row_ids)
+        gids = batch[C.GROUP_ID]
+        if bool(failed.any()):
+            failed = torch.isin(gids, gids[failed])
+        good = (~failed).nonzero().squeeze(1)
+        out = self.placeholder(batch)
+        if good.numel():
+            sub = batch.select(good)
+            adv = self.algorithm.compute_advantages(sub)[C.ADVANTAGES]
+            if good.numel() == batch.num_rows:
+                out = {C.ADVANTAGES: adv}
+            else:
+                from asyncflow_core.flow.stage import _scatter
+
+                out = _scatter(batch, good, {C.ADVANTAGES: adv}, out)
+        ctx.processed[self.name] += int(good.numel())
+        await ctx.store.put(out, rows=meta)
+
+
+# -------------------------------------------------------------------------------------------- train
+
+
+class TrainStage(Stage):
+    """Takes B fresh prompt groups per step, trains, publishes weights; stale and failed groups settle here."""
+
+    name = "train"
+    sampler = "group"
+    span_name = "train_step"
+
+    def __init__(
+        self, engine: TrainEngine, algorithm: Algorithm, transport: WeightTransport, rollout: RolloutStage | None, *,
+        consumes: Sequence[str], total_steps: int, bucket_bytes: int, deadline_s: float, colocated: bool,
+        on_step: Any,
+    ) -> None:
+        self.engine = engine
+        self.algorithm = algorithm
+        self.transport = transport
+        self.rollout = rollout
+        self.consumes = tuple(dict.fromkeys([C.PROMPT_IDS, C.RESPONSE_IDS, C.GROUP_ID, C.ADVANTAGES, *consumes]))
+        self.total_steps = total_steps
+        self.bucket_bytes = bucket_bytes
+        self.deadline_s = deadline_s
+        self.colocated = colocated
+        self.on_step = on_step
+        self.staleness_hist: Counter[int] = Counter()
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        B, n = ctx.prompts_per_step, ctx.n
+        while not ctx.stop.is_set() and self.engine.version < self.total_steps:
+            v = self.engine.version
+            t_begin = ctx.clock()
+            parts: list[Batch] = []
+            leases: list[BatchMeta] = []
+            lags: list[torch.Tensor] = []
+            have = 0
+            ended = False
+            with ctx.timeline.span(self.name, "wait_batch"):
+                while have < B:
+                    meta = await ctx.store.get_meta(self.name, self.consumes, (B - have) * n, sampler="group",
+                                                    partial=True, consumer=self.name)
+                    if meta.end_of_stream:
+                        ended = True
+                        break
+                    leases.append(meta)
+                    batch = await ctx.store.get(meta)
+                    keep = self._settle(v, meta, batch)
+                    if keep.numel():
+                        parts.append(batch.select(keep))
+                        lags.append(v - meta.min_version[keep])
+                        have += int(torch.unique(batch[C.GROUP_ID][keep]).numel())
+            if ended and have < B:
+                # fewer than B groups will ever come: release them (they stay unfinished in the ledger)
+                for m in leases:
+                    await ctx.store.release(m)
+                ctx.halt(f"the prompt stream ended before step {v} could gather {B} prompt groups")
+                break
+            train_batch = Batch.cat(parts) if len(parts) > 1 else parts[0]
+            # the staleness invariant, checked on the exact rows trained on
+            lag = torch.cat(lags)
+            if bool((lag > ctx.k).any()):
+                raise AssertionError(f"staleness violated: lag {int(lag.max())} > k={ctx.k} at step {v}")
+            self.staleness_hist.update(lag.tolist())
+            if self.colocated and self.rollout is not None:
+                with ctx.timeline.span(self.name, "sleep"):
+                    await self.rollout.sleep_all()
+            with ctx.timeline.span(self.name, "train_step"):
+                metrics = await self.engine.train_step(train_batch, self.algorithm)
+            for m in leases:
+                await ctx.store.ack(m)
+            for g in torch.unique(train_batch[C.GROUP_ID]).tolist():
+                ctx.ledger.mark_trained(int(g))
+            with ctx.timeline.span(self.name, "send_weights"):
+                report = await self.transport.send(self.engine.export_weights(bucket_bytes=self.bucket_bytes),
+                                                   deadline_s=self.deadline_s)
+            ctx.version = self.engine.version
+            ctx.published = report.version
+            if self.colocated and self.rollout is not None:
+                with ctx.timeline.span(self.name, "wake"):
+                    await self.rollout.wake_all()
+            await ctx.notify()
+            await self.on_step(v, t_begin, train_batch, metrics, report, lag)
+        if self.engine.version >= self.total_steps:
+            ctx.halt("done")
+
+    def _settle(self, v: int, meta: BatchMeta, batch: Batch) -> torch.Tensor:
+        """Positions of ``batch`` to train on; stale groups re-queued or dropped, failed ones dropped."""
+        ctx = self.ctx
+        gids = batch[C.GROUP_ID]
+        failed = ctx.failed_mask(meta.row_ids)
+        stale_drop = torch.zeros_like(failed)
+        if bool(failed.any()):
+            reasons = [ctx.failed.get(int(r)) for r in meta.row_ids.tolist()]
+            stale_drop = torch.tensor([r == "stale" for r in reasons], dtype=torch.bool)
+            failed = failed & ~stale_drop
+            failed = torch.isin(gids, gids[failed]) if bool(failed.any()) else failed
+            stale_drop = torch.isin(gids, gids[stale_drop]) & ~failed if bool(stale_drop.any()) else stale_drop
+        usable = ~(failed | stale_drop)
+        fresh, stale = S.split_fresh_groups(v, ctx.k, gids, meta.min_version)
+        fresh = fresh & usable
+        stale = stale & usable
+        for g in torch.unique(gids[failed]).tolist():
+            ctx.ledger.mark_dropped(int(g), "failed")
+        for g in torch.unique(gids[stale_drop]).tolist():
+            ctx.ledger.mark_dropped(int(g), "stale")
+        for g in torch.unique(gids[stale]).tolist():
+            if ctx.stale_policy == "drop":
+                ctx.ledger.mark_dropped(int(g), "stale")
+            else:
+                ctx.ledger.mark_requeued(int(g), "stale")
+        return fresh.nonzero().squeeze(1)

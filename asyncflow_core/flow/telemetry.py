@@ -1,0 +1,200 @@
+"""Telemetry of a run: busy spans per lane, a Perfetto/Chrome trace, a Gantt PNG, and metrics JSONL.
+
+Every stage and engine instance is a *lane*; whatever it spends time on
+(generating, scoring, a train step, a weight transfer, waiting for admission)
+is a span ``[start, end)`` on the run's clock — the event loop's clock, so a
+simulated run's spans are in simulated seconds. Idle time is what lies
+between spans. ``utilisation`` gives each lane's busy fraction over a window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Span:
+    lane: str
+    name: str
+    start: float
+    end: float
+
+
+class Timeline:
+    """Collects spans; ``clock`` is the run's clock (``loop.time``)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.spans: list[Span] = []
+        self.t0 = clock()
+        self._open: dict[str, int] = defaultdict(int)  # lane -> number of overlapping open spans
+
+    def add(self, lane: str, name: str, start: float, end: float) -> None:
+        if end > start:
+            self.spans.append(Span(lane, name, start, end))
+
+    @contextlib.contextmanager
+    def span(self, lane: str, name: str) -> Iterator[None]:
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.add(lane, name, start, self.clock())
+
+    def lanes(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for s in self.spans:
+            seen.setdefault(s.lane, None)
+        return sorted(seen, key=_lane_order)
+
+    def busy(self, start: float, end: float) -> dict[str, float]:
+        """Busy seconds per lane inside ``[start, end)`` (overlapping spans of one lane merged)."""
+        per: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for s in self.spans:
+            a, b = max(s.start, start), min(s.end, end)
+            if b > a:
+                per[s.lane].append((a, b))
+        out: dict[str, float] = {}
+        for lane, ivs in per.items():
+            ivs.sort()
+            total, cur_a, cur_b = 0.0, ivs[0][0], ivs[0][1]
+            for a, b in ivs[1:]:
+                if a > cur_b:
+                    total += cur_b - cur_a
+                    cur_a, cur_b = a, b
+                else:
+                    cur_b = max(cur_b, b)
+            out[lane] = total + cur_b - cur_a
+        return out
+
+    def utilisation(self, start: float, end: float) -> dict[str, float]:
+        width = end - start
+        return {lane: (b / width if width > 0 else 0.0) for lane, b in self.busy(start, end).items()}
+
+    # -- exports ------------------------------------------------------------------
+
+    def chrome_trace(self) -> dict[str, Any]:
+        """Chrome / Perfetto trace-event JSON (open it at ui.perfetto.dev): one thread per lane."""
+        tids = {lane: i + 1 for i, lane in enumerate(self.lanes())}
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "asyncflow run"}},
+        ]
+        for lane, tid in tids.items():
+            events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": lane}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
+        for s in self.spans:
+            events.append({
+                "ph": "X", "pid": 1, "tid": tids[s.lane], "name": s.name,
+                "ts": (s.start - self.t0) * 1e6, "dur": (s.end - s.start) * 1e6,
+            })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, run_dir: Path) -> Path:
+        """Write ``trace.json`` (Chrome/Perfetto) and ``spans.jsonl`` (for ``asyncflow trace``)."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        path = run_dir / "trace.json"
+        path.write_text(json.dumps(self.chrome_trace()))
+        with (run_dir / "spans.jsonl").open("w") as fh:
+            for s in self.spans:
+                fh.write(json.dumps({"lane": s.lane, "name": s.name, "start": s.start - self.t0,
+                                     "end": s.end - self.t0}) + "\n")
+        return path
+
+
+def _lane_order(lane: str) -> tuple[int, str]:
+    order = ("feeder", "rollout", "reward", "ref", "old", "values", "advantage", "train", "weights")
+    for i, prefix in enumerate(order):
+        if lane.startswith(prefix):
+            return (i, lane)
+    return (len(order), lane)
+
+
+def load_spans(run_dir: Path) -> list[Span]:
+    path = Path(run_dir) / "spans.jsonl"
+    if not path.is_file():
+        from asyncflow_core.errors import ConfigError
+
+        raise ConfigError(f"{run_dir} holds no spans.jsonl; pass the run_dir of a run (logging.run_dir)")
+    out = []
+    with path.open() as fh:
+        for line in fh:
+            d = json.loads(line)
+            out.append(Span(d["lane"], d["name"], float(d["start"]), float(d["end"])))
+    return out
+
+
+_COLOURS = {
+    "generate": "#4C72B0", "score": "#55A868", "train_step": "#C44E52", "logprobs": "#8172B2",
+    "send_weights": "#CCB974", "update_weights": "#DD8452", "advantages": "#64B5CD", "admission_wait": "#BBBBBB",
+    "sleep": "#999999",
+}
+
+
+def gantt_png(spans: list[Span], path: Path, *, title: str = "asyncflow timeline", max_lanes: int = 48) -> Path:
+    """Render spans as a Gantt chart (one row per lane) to ``path``. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as exc:  # pragma: no cover - matplotlib is a core dependency
+        from asyncflow_core.errors import ConfigError
+
+        raise ConfigError("rendering the Gantt PNG needs matplotlib: pip install matplotlib") from exc
+    lanes: dict[str, None] = {}
+    for s in spans:
+        lanes.setdefault(s.lane, None)
+    names = sorted(lanes, key=_lane_order)
+    if len(names) > max_lanes:  # keep the picture readable: first lanes of each kind
+        names = names[:max_lanes]
+    row = {lane: i for i, lane in enumerate(names)}
+    fig, ax = plt.subplots(figsize=(14, 0.35 * len(names) + 1.5))
+    by_name: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+    for s in spans:
+        if s.lane in row:
+            by_name[s.name].append((s.start, s.end - s.start, row[s.lane]))
+    for name, items in by_name.items():
+        colour = _COLOURS.get(name, "#777777")
+        for y in set(i[2] for i in items):
+            ax.broken_barh([(a, w) for a, w, r in items if r == y], (y - 0.4, 0.8), facecolors=colour)
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (run clock)")
+    ax.set_title(title)
+    ax.legend(handles=[Patch(color=_COLOURS.get(n, "#777777"), label=n) for n in sorted(by_name)],
+              loc="upper right", fontsize=7, ncol=4)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class MetricsWriter:
+    """One JSON object per line (``metrics.jsonl``), flushed as written."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._fh = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = path.open("w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self._fh is not None:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
