@@ -82,7 +82,74 @@ async def open_store(deployment: str, capacity: int, arena_mb: int):
         from asyncflow_core.store.deployments.multiprocess import MultiprocessStore
 
         return MultiprocessStore.serve(arena_mb=arena_mb, controller=Controller(capacity))
+    if deployment == "distributed":
+        from asyncflow_core.store.deployments.config import DistributedStoreConfig
+        from asyncflow_core.store.deployments.distributed import DistributedStore
+
+        _join_distributed_world()  # this process is rank 1; rank 0 (a spawned process) hosts the store
+        return DistributedStore(DistributedStoreConfig(name=None, capacity=capacity, arena_mb=arena_mb))
+    if deployment == "ray":
+        from asyncflow_core.store.deployments.ray_store import RayStore, init_local_ray
+
+        init_local_ray()  # loopback-only; left running for the later figures (and the object-store peer)
+        return RayStore(capacity=capacity)
     raise NotImplementedError(f"the {deployment} deployment is not implemented in this tree")
+
+
+_DIST_WORLD: list[Any] = []
+
+
+def _serve_rank0(port: int, conn: Any) -> None:
+    """The distributed store's server rank: hosts the store until the benchmark process says stop."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from asyncflow_core.store.deployments.distributed import DistributedHost
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
+                            timeout=timedelta(seconds=120))
+    host = DistributedHost.start()
+    conn.send("ready")
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+    host.stop()
+    dist.destroy_process_group()
+
+
+def _join_distributed_world() -> None:
+    """Spawn the server rank once and join its 2-rank gloo group (loopback only) as rank 1."""
+    if _DIST_WORLD:
+        return
+    import atexit
+    import multiprocessing as mp
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve_rank0, args=(port, child), daemon=True)
+    proc.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2,
+                            timeout=timedelta(seconds=120))
+    assert parent.poll(120) and parent.recv() == "ready", "the distributed store's server rank did not start"
+    _DIST_WORLD.extend([proc, parent])
+
+    def stop() -> None:
+        parent.send("stop")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+        dist.destroy_process_group()
+
+    atexit.register(stop)
 
 
 async def throughput(deployment: str, batch_mb: int, repeats: int) -> dict[str, Any]:
@@ -141,7 +208,7 @@ def ray_object_store(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
     except ImportError:
         return []
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             logging_level="ERROR")
+             logging_level="ERROR", ignore_reinit_error=True)  # the ray deployment may have started it
     out = []
     try:
         assert ray.util.get_node_ip_address() == "127.0.0.1", "Ray must bind to loopback only"

@@ -22,18 +22,27 @@ class MultiprocessStoreConfig(StoreOptions):
 
 
 class DistributedStoreConfig(StoreOptions):
-    """Options of the ``distributed`` store (torch.distributed data plane)."""
+    """Options of the ``distributed`` store (torch.distributed data plane; controller and storage on one rank).
 
-    address: str | None = Field(
-        None, description="Unix socket of the server rank's control channel to join; unset on the server rank."
+    Clients find the server rank's control socket and token in the process
+    group's rendezvous store, so no address or secret is configured by hand.
+    """
+
+    name: str | None = Field(
+        "default",
+        description="Store instance on the server rank: ranks opening the same name share it (the first opener's "
+        "options win); null opens a fresh private instance that is dropped when its client closes.",
     )
-    token_env: str = Field(
-        "ASYNCFLOW_STORE_TOKEN", description="Environment variable holding the server's secret token when joining."
+    server_rank: int = Field(0, ge=0, description="Global rank of the process that hosts controller and storage.")
+    arena_mb: int = Field(1024, ge=1, description="Column memory of one store instance on the server rank (MiB).")
+    backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="Backend used by init_process_group: gloo (CPU tensors) or nccl (GPU tensors)."
     )
-    server_rank: int = Field(0, ge=0, description="Rank of the process that hosts controller and storage.")
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="torch.distributed backend: gloo (CPU) or nccl (GPU).")
     init_process_group: bool = Field(
         False, description="Initialise torch.distributed from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE if not yet done."
+    )
+    timeout_s: float = Field(
+        300.0, gt=0, description="Seconds to wait for the process group to form and for the server rank to publish."
     )
 
 

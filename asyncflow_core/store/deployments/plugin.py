@@ -1,9 +1,7 @@
-"""Built-in plugin registering the out-of-process store deployments (``multiprocess`` today).
+"""Built-in plugin registering the out-of-process store deployments: ``multiprocess``, ``distributed``, ``ray``.
 
-The ``distributed`` (torch.distributed data plane) and ``ray`` deployments are
-planned; their config models live in :mod:`.config` and are not registered
-until their implementations land, so no config can pick a backend that does
-not work.
+Config models live in :mod:`.config`; a deployment is registered only once
+its implementation lands, so no config can pick a backend that does not work.
 
 Heavy modules (ray, torch.distributed, the servers) load inside the
 factories, so plugin discovery stays cheap.
@@ -16,7 +14,7 @@ from typing import Any
 
 from asyncflow_core.interfaces.features import StoreFeatures
 from asyncflow_core.plugins import StoreBackend, hookimpl
-from asyncflow_core.store.deployments.config import MultiprocessStoreConfig
+from asyncflow_core.store.deployments.config import DistributedStoreConfig, MultiprocessStoreConfig, RayStoreConfig
 
 
 def _token(env: str) -> str:
@@ -43,6 +41,28 @@ def _make_multiprocess(config: MultiprocessStoreConfig) -> Any:
 MULTIPROCESS_FEATURES = StoreFeatures(deployment="multiprocess", zero_copy_get=False, supports_checkpoint=True)
 
 
+def _make_distributed(config: DistributedStoreConfig) -> Any:
+    from asyncflow_core.store.deployments.distributed import open_distributed_store
+
+    return open_distributed_store(config)
+
+
+DISTRIBUTED_FEATURES = StoreFeatures(deployment="distributed", zero_copy_get=False, supports_checkpoint=True)
+
+
+def _make_ray(config: RayStoreConfig) -> Any:
+    try:
+        from asyncflow_core.store.deployments.ray_store import RayStore
+    except ImportError as exc:
+        from asyncflow_core.errors import ConfigError
+
+        raise ConfigError(f"the ray store needs Ray ({exc}); install it with pip install 'asyncflow[ray]'") from exc
+    return RayStore(config)
+
+
+RAY_FEATURES = StoreFeatures(deployment="ray", zero_copy_get=False, supports_checkpoint=True)
+
+
 @hookimpl
 def asyncflow_stores():
     yield StoreBackend(
@@ -51,4 +71,18 @@ def asyncflow_stores():
         config_model=MultiprocessStoreConfig,
         description="Server process on one host; clients anywhere on it; tensors through shared memory.",
         features=MULTIPROCESS_FEATURES,
+    )
+    yield StoreBackend(
+        name="distributed",
+        factory=_make_distributed,
+        config_model=DistributedStoreConfig,
+        description="Controller and storage on one rank; tensors point to point by torch.distributed (gloo/NCCL).",
+        features=DISTRIBUTED_FEATURES,
+    )
+    yield StoreBackend(
+        name="ray",
+        factory=_make_ray,
+        config_model=RayStoreConfig,
+        description="Controller and storage units as Ray actors; clients anywhere in the Ray cluster.",
+        features=RAY_FEATURES,
     )
