@@ -26,6 +26,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "asyncflow_core.store.deployments.plugin",
     "asyncflow_plugins.transports",
     "asyncflow_plugins.toy",
+    "asyncflow_plugins.sim",
     "asyncflow_plugins.algorithms",
     "asyncflow_plugins.rewards",
     "asyncflow_plugins.datasets",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
+import torch
+
 from asyncflow_core.interfaces import Health, PauseMode, RolloutEngine
 from asyncflow_core.plugins import PluginKind
 from asyncflow_core.types import FinishReason, GenerationRequest, SamplingParams
@@ -45,8 +47,8 @@ class RolloutEngineSpec(BackendSpec):
                     assert len(r.token_ids) == len(r.logprobs) == len(r.versions)
                     assert 1 <= len(r.token_ids) <= self.max_new_tokens
                     assert r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-                    assert all(lp <= 1e-6 for lp in r.logprobs), "log-probs must be <= 0"
-                    assert set(r.versions) == {engine.version}
+                    assert all(lp <= 1e-6 for lp in _values(r.logprobs)), "log-probs must be <= 0"
+                    assert set(_values(r.versions)) == {engine.version}
                     assert r.prompt_token_ids == self.prompt_token_ids
             finally:
                 await engine.shutdown()
@@ -177,6 +179,14 @@ class RolloutEngineSpec(BackendSpec):
             await engine.shutdown()
 
         run(body())
+
+
+def _values(seq) -> list:
+    """The Python numbers of a result field: the contract allows a sequence or a 1-D tensor."""
+    if isinstance(seq, torch.Tensor):
+        assert seq.dim() == 1, f"a result tensor must be 1-D, got shape {tuple(seq.shape)}"
+        return seq.tolist()
+    return list(seq)
 
 
 async def _collect(stream):
