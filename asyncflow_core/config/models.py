@@ -160,6 +160,11 @@ class AsyncConfig(StrictModel):
         "Implied by mode for sync (0) and one_step (1); required for async.",
     )
     stale_policy: StalePolicy = Field(StalePolicy.REQUEUE, description="Fate of rows that fall outside the bound.")
+    colocated: bool | None = Field(
+        None,
+        description="Rollout and training time-share the same devices (rollout engines sleep during each train "
+        "step). Default: true for sync, false otherwise; sync with false is task-separated streaming at k=0.",
+    )
 
     @model_validator(mode="after")
     def _staleness_matches_mode(self) -> AsyncConfig:
@@ -173,6 +178,10 @@ class AsyncConfig(StrictModel):
             object.__setattr__(self, "max_staleness", implied)
         elif self.max_staleness is None or self.max_staleness < 1:
             raise ValueError("mode async needs max_staleness >= 1 (use mode: sync for 0)")
+        if self.colocated is None:
+            object.__setattr__(self, "colocated", self.mode is AsyncMode.SYNC)
+        elif self.colocated and self.mode is not AsyncMode.SYNC:
+            raise ValueError("colocated: true time-shares devices, which leaves nothing to overlap; use mode: sync")
         return self
 
     @property

@@ -140,7 +140,7 @@ class FlowRuntime:
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.run_dir else None)
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
-        colocated = cfg.async_.mode.value == "sync"
+        colocated = bool(cfg.async_.colocated)
         rollout = RolloutStage(
             replicas, transport, sampling, max_inflight=cfg.rollout.max_inflight,
             rows_per_lease=cfg.rollout.rows_per_lease, lease_s=cfg.rollout.lease_s,

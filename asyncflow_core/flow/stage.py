@@ -62,8 +62,11 @@ class FlowContext:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     stop_reason: str | None = None
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)  #: version/published/ledger changes
+    listeners: list[asyncio.Event] = field(default_factory=list)  #: also set on every notify and on halt
 
     async def notify(self) -> None:
+        for ev in self.listeners:
+            ev.set()
         async with self.changed:
             self.changed.notify_all()
 
@@ -92,6 +95,8 @@ class FlowContext:
         if self.stop_reason is None:
             self.stop_reason = reason
         self.stop.set()
+        for ev in self.listeners:
+            ev.set()
 
 
 @dataclass(frozen=True)

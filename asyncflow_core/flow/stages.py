@@ -49,6 +49,11 @@ log = logging.getLogger("asyncflow.flow")
 ROLLOUT_OUT = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS)
 
 
+def _as_tuple(values: Sequence[Any] | torch.Tensor) -> tuple:
+    """A result field (sequence or 1-D tensor) as a tuple of Python numbers, without a per-element loop."""
+    return tuple(values.tolist()) if isinstance(values, torch.Tensor) else tuple(values)
+
+
 # ------------------------------------------------------------------------------------------- feeder
 
 
@@ -207,6 +212,16 @@ class RolloutStage(Stage):
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task] = set()
         self._busy_since: dict[int, float] = {}
+        self._wake = asyncio.Event()  # dispatcher wake-up: slots freed, weights updated, version moved
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    async def _wait_until(self, predicate: Any) -> None:
+        """Dispatcher wait; woken by its own events (per result) rather than the run-wide condition."""
+        while not predicate() and not self.ctx.stop.is_set():
+            self._wake.clear()
+            await self._wake.wait()
 
     # -- helpers -----------------------------------------------------------------------
 
@@ -239,12 +254,13 @@ class RolloutStage(Stage):
 
     async def run(self) -> None:
         ctx = self.ctx
+        ctx.listeners.append(self._wake)
         for r in self.replicas:
             self._spawn(self._weight_sync(r))
         self._spawn(self._stale_watch())
         try:
             while not ctx.stop.is_set():
-                await ctx.wait_for(lambda: self._free_slots() > len(self._pending) or self._all_dead())
+                await self._wait_until(lambda: self._free_slots() > len(self._pending) or self._all_dead())
                 if self._all_dead():
                     ctx.halt("every rollout replica died; see the log for their errors")
                     return
@@ -264,7 +280,7 @@ class RolloutStage(Stage):
                 self._dispatch()
                 await asyncio.sleep(0)
             # stream ended: wait for what is in flight
-            await ctx.wait_for(lambda: all(not r.inflight for r in self.replicas) and not self._pending)
+            await self._wait_until(lambda: all(not r.inflight for r in self.replicas) and not self._pending)
             await self._flush()
         finally:
             for t in list(self._tasks):
@@ -323,7 +339,7 @@ class RolloutStage(Stage):
             q.prefix_ids, q.prefix_lps, q.prefix_versions = (), (), ()
             self._pending.append(q)
         self._dispatch()
-        await self.ctx.notify()
+        self._poke()
 
     async def _on_result(self, r: Replica, res: GenerationResult) -> None:
         ctx = self.ctx
@@ -343,15 +359,15 @@ class RolloutStage(Stage):
         else:
             await self._write(req, res)
         self._dispatch()
-        await ctx.notify()
+        self._poke()
 
     def _resubmit(self, r: Replica, req: _Req, res: GenerationResult) -> None:
         ctx = self.ctx
         fresh_prefix = res.min_version is None or not S.must_abort(res.min_version, ctx.version, ctx.k)
         if len(res.token_ids) and fresh_prefix and r.engine.features.supports_resume_prefix:
-            req.prefix_ids = tuple(int(t) for t in res.token_ids)
-            req.prefix_lps = tuple(float(x) for x in res.logprobs)
-            req.prefix_versions = tuple(int(v) for v in res.versions)
+            req.prefix_ids = _as_tuple(res.token_ids)
+            req.prefix_lps = _as_tuple(res.logprobs)
+            req.prefix_versions = _as_tuple(res.versions)
             ctx.counters["resumed_partial"] += 1
             req.attempt += 1
             self._pending.append(req)
@@ -422,7 +438,7 @@ class RolloutStage(Stage):
                 done[id(q.lease)] = q.lease
         for lease in done.values():
             await self.ctx.store.ack(lease.meta)
-        await self.ctx.notify()
+        self._poke()
 
     # -- weights and staleness -------------------------------------------------------------
 
@@ -436,7 +452,7 @@ class RolloutStage(Stage):
                 await self._update(r)
             ctx.counters["weight_updates"] += 1
             self._dispatch()
-            await ctx.notify()
+            self._poke()
 
     async def _update(self, r: Replica) -> None:
         ctx = self.ctx

@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 
+#: spans that show a lane *waiting* (drawn on the timeline, not counted as busy)
+WAIT_SPANS = frozenset({"admission_wait", "wait_batch"})
+
+
 @dataclass(frozen=True)
 class Span:
     lane: str
@@ -54,9 +58,11 @@ class Timeline:
         return sorted(seen, key=_lane_order)
 
     def busy(self, start: float, end: float) -> dict[str, float]:
-        """Busy seconds per lane inside ``[start, end)`` (overlapping spans of one lane merged)."""
+        """Busy seconds per lane inside ``[start, end)`` (overlapping spans merged; waiting spans not counted)."""
         per: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for s in self.spans:
+            if s.name in WAIT_SPANS:
+                continue
             a, b = max(s.start, start), min(s.end, end)
             if b > a:
                 per[s.lane].append((a, b))
