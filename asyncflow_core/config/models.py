@@ -73,7 +73,6 @@ class RolloutConfig(Component):
     top_k: int = Field(-1, ge=-1, description="Top-k cut-off; -1 disables it.")
     max_inflight: int = Field(256, ge=1, description="Most requests one replica works on at once (its batch/KV budget).")
     rows_per_lease: int = Field(64, ge=1, description="Most prompt rows the dispatcher leases from the store at once.")
-    lease_s: float = Field(3600.0, gt=0, description="Lease on rows being generated; long enough for the longest sample.")
     kv_cache: str = Field(
         "recompute", pattern="^(keep|recompute)$",
         description="KV cache of requests held across an in-flight weight update: keep or recompute.",
@@ -194,6 +193,11 @@ class AsyncConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """How the flow runtime runs the stages."""
 
+    lease_s: float = Field(
+        86400.0, gt=0,
+        description="Lease on rows a stage holds (rollout: until generated; train: until its step ends). Rows of a "
+        "consumer that vanishes come back when it expires; keep it above the longest generation and train step.",
+    )
     max_failure_rate: float = Field(
         0.2, ge=0, le=1, description="Stop the run when more than this fraction of processed rows failed."
     )

@@ -143,7 +143,7 @@ class FlowRuntime:
         colocated = bool(cfg.async_.colocated)
         rollout = RolloutStage(
             replicas, transport, sampling, max_inflight=cfg.rollout.max_inflight,
-            rows_per_lease=cfg.rollout.rows_per_lease, lease_s=cfg.rollout.lease_s,
+            rows_per_lease=cfg.rollout.rows_per_lease, lease_s=cfg.pipeline.lease_s,
             write_interval_s=cfg.pipeline.write_interval_s, deadline_s=cfg.weight_transport.deadline_s,
             kv_cache=KVCachePolicy(cfg.rollout.kv_cache),
         )
@@ -180,6 +180,7 @@ class FlowRuntime:
                 await r.start()
             for st in stages:
                 st.bind(ctx)
+                st.lease_s = cfg.pipeline.lease_s
                 await store.register_task(st.name, consumes=st.consumes, produces=st.produces)
             for st in stages:
                 await st.setup()

@@ -118,6 +118,7 @@ class Stage(abc.ABC):
     partial: bool = True
     concurrency: int = 1  #: leases processed at once
     span_name: str = "process"
+    lease_s: float | None = None  #: lease on the rows it holds (None: the store's default)
 
     ctx: FlowContext
 
@@ -154,7 +155,7 @@ class Stage(abc.ABC):
         lane = self.name if self.concurrency == 1 else f"{self.name}/{worker}"
         while not ctx.stop.is_set():
             meta = await store.get_meta(self.name, self.consumes, self.batch_size, sampler=self.sampler,
-                                        partial=self.partial, consumer=f"{self.name}/{worker}")
+                                        partial=self.partial, consumer=f"{self.name}/{worker}", lease_s=self.lease_s)
             if meta.end_of_stream:
                 return
             with ctx.timeline.span(lane, self.span_name):

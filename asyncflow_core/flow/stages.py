@@ -611,7 +611,7 @@ class AdvantageStage(Stage):
         good = (~failed).nonzero().squeeze(1)
         out = self.placeholder(batch)
         if good.numel():
-            sub = batch.select(good)
+            sub = batch if good.numel() == batch.num_rows else batch.select(good)
             adv = self.algorithm.compute_advantages(sub)[C.ADVANTAGES]
             if good.numel() == batch.num_rows:
                 out = {C.ADVANTAGES: adv}
@@ -663,16 +663,18 @@ class TrainStage(Stage):
             ended = False
             with ctx.timeline.span(self.name, "wait_batch"):
                 while have < B:
-                    meta = await ctx.store.get_meta(self.name, self.consumes, (B - have) * n, sampler="group",
-                                                    partial=True, consumer=self.name)
+                    meta = await ctx.store.get_meta(self.name, self.consumes, (B - have) * n, sampler=self.sampler,
+                                                    partial=True, consumer=self.name, lease_s=self.lease_s)
                     if meta.end_of_stream:
                         ended = True
                         break
                     leases.append(meta)
                     batch = await ctx.store.get(meta)
                     keep = self._settle(v, meta, batch)
+                    if keep.numel() < batch.num_rows:
+                        await ctx.notify()  # re-queued or dropped groups: the feeder may start prompts now
                     if keep.numel():
-                        parts.append(batch.select(keep))
+                        parts.append(batch if keep.numel() == batch.num_rows else batch.select(keep))
                         lags.append(v - meta.min_version[keep])
                         have += int(torch.unique(batch[C.GROUP_ID][keep]).numel())
             if ended and have < B:

@@ -141,6 +141,11 @@ class RaggedTensor:
         if index.numel() and (int(index.min()) < -n or int(index.max()) >= n):
             raise IndexError(f"sequence index out of range for {n} sequences")
         index = index % max(n, 1)
+        if index.numel() > 1 and bool((index[1:] - index[:-1] == 1).all()):
+            # consecutive sequences (the common case: a whole batch or a run of it): one slice, no gather
+            a, b = int(index[0]), int(index[-1]) + 1
+            lo = self.offsets[a]
+            return RaggedTensor(self.values[int(lo) : int(self.offsets[b])].clone(), self.offsets[a : b + 1] - lo)
         starts = self.offsets[index]
         lengths = self.offsets[index + 1] - starts
         new_offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
