@@ -388,6 +388,10 @@ class StorageUnit:
                 self.write(c["row_ids"], {name: c["data"]})
 
 
+#: mean row length (elements) above which a ragged gather copies whole slices instead of indexing each element
+_SLICE_GATHER_MIN_MEAN = 32
+
+
 def _segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Positions ``starts[i] .. starts[i] + lengths[i]`` for every segment, concatenated (vectorised)."""
     total = int(lengths.sum())
@@ -406,6 +410,10 @@ def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device) -> R
     if pos.numel() and bool((starts[1:] == starts[:-1] + lens[:-1]).all()):
         s0 = int(starts[0])  # rows written together: one slice instead of a gather
         values = store.values[s0 : s0 + total].clone()
+    elif pos.numel() and total >= _SLICE_GATHER_MIN_MEAN * pos.numel():
+        # long sequences (the usual case for tokens): one slice per row and one copy beats a per-token index
+        vals = store.values
+        values = torch.cat([vals[a : a + n] for a, n in zip(starts.tolist(), lens.tolist(), strict=True)])
     else:
         values = store.values[_segment_index(starts, lens).to(device)]
     return RaggedTensor(values, offsets.to(values.device))

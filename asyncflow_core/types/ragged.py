@@ -148,6 +148,13 @@ class RaggedTensor:
             return RaggedTensor(self.values[int(lo) : int(self.offsets[b])].clone(), self.offsets[a : b + 1] - lo)
         starts = self.offsets[index]
         lengths = self.offsets[index + 1] - starts
+        if index.numel() and int(lengths.sum()) >= 32 * index.numel():
+            # long sequences: one slice per row and one copy beats building a per-element index
+            new_offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
+            torch.cumsum(lengths, 0, out=new_offsets[1:])
+            v = self.values
+            parts = [v[a : a + n] for a, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+            return RaggedTensor(torch.cat(parts), new_offsets)
         new_offsets = torch.zeros(index.numel() + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=new_offsets[1:])
         total = int(new_offsets[-1])
