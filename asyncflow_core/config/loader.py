@@ -123,7 +123,13 @@ class ResolvedConfig:
         """The full config with defaults filled in, plugin options included (for ``config show``)."""
         out = self.config.model_dump(mode="json", by_alias=True)
         for section, comp in self.components.items():
-            out[section]["options"] = comp.options.model_dump(mode="json")
+            if section.startswith("pipeline.stages["):
+                target = out["pipeline"]["stages"][int(section[len("pipeline.stages["):-1])]
+            elif section.startswith("pipeline.replace."):
+                target = out["pipeline"]["replace"][section[len("pipeline.replace."):]]
+            else:
+                target = out[section]
+            target["options"] = comp.options.model_dump(mode="json")
         return out
 
 
@@ -151,6 +157,23 @@ def resolve(config: RunConfig, pm: AsyncflowPluginManager | None = None) -> Reso
             problems.append(f"{section}.name: {exc}" if isinstance(exc, PluginError) else str(exc))
             continue
         components[section] = ResolvedComponent(section, registered, options)
+    stage_comps = [(f"pipeline.stages[{i}]", c) for i, c in enumerate(config.pipeline.stages)]
+    stage_comps += [(f"pipeline.replace.{role}", c) for role, c in config.pipeline.replace.items()]
+    for role in config.pipeline.replace:
+        if role not in REPLACEABLE_STAGES:
+            problems.append(f"pipeline.replace: {role!r} cannot be replaced; replaceable: {sorted(REPLACEABLE_STAGES)}")
+    for where, comp in stage_comps:
+        try:
+            registered = pm.lookup(PluginKind.STAGE, comp.name)
+            options = pm.validate_options(PluginKind.STAGE, comp.name, comp.options, where=f"{where}.options")
+        except (ConfigError, PluginError) as exc:
+            problems.append(f"{where}.name: {exc}" if isinstance(exc, PluginError) else str(exc))
+            continue
+        components[where] = ResolvedComponent(where, registered, options)
     if problems:
         raise ConfigError("; ".join(problems))
     return ResolvedConfig(config, components, unchecked)
+
+
+#: built-in stages ``pipeline.replace`` may swap for a plugin
+REPLACEABLE_STAGES = frozenset({"reward"})

@@ -193,6 +193,17 @@ class AsyncConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """How the flow runtime runs the stages."""
 
+    stages: list[Component] = Field(
+        default_factory=list,
+        description="Stage plugins to add (e.g. a filter or a second reward model); each runs on every sample "
+        "before advantages are computed. See `asyncflow plugins --kind stage`.",
+    )
+    replace: dict[str, Component] = Field(
+        default_factory=dict,
+        description="Built-in stages to swap for a stage plugin, by role; today `reward` (the plugin must produce "
+        "the `reward` column).",
+    )
+
     lease_s: float = Field(
         86400.0, gt=0,
         description="Lease on rows a stage holds (rollout: until generated; train: until its step ends). Rows of a "

@@ -96,6 +96,14 @@ class FlowRuntime:
                 return {name: getattr(opts, name) + 7919 * i}
         return {}
 
+    def _plugin_stage(self, where: str) -> Stage:
+        comp = self.resolved.components[where]
+        stage = comp.registered.record.factory(comp.options)
+        if not isinstance(stage, Stage):
+            raise ConfigError(f"{where}: stage plugin {comp.registered.name!r} did not build a Stage "
+                              f"(got {type(stage).__name__}); its factory must return a Stage subclass instance")
+        return stage
+
     async def run(self) -> dict[str, Any]:
         cfg = self.config
         loop = asyncio.get_running_loop()
@@ -153,11 +161,27 @@ class FlowRuntime:
             RewardStage(reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s),
         ]
         stages[2].batch_size = cfg.pipeline.reward_batch
+        if "reward" in cfg.pipeline.replace:
+            stages[2] = self._plugin_stage("pipeline.replace.reward")
+            if C.REWARD not in stages[2].produces:
+                raise ConfigError(f"pipeline.replace.reward: stage {stages[2].name!r} must produce the 'reward' column")
+        extra = [self._plugin_stage(f"pipeline.stages[{i}]") for i in range(len(cfg.pipeline.stages))]
+        names = [st.name for st in stages + extra]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"stage names must be unique (they are store task names); got {names}")
+        available = set(_PRODUCED)
+        for st in extra:
+            missing_in = [c for c in st.consumes if c not in available | {c2 for o in extra for c2 in o.produces}]
+            if missing_in:
+                raise ConfigError(f"stage {st.name!r} consumes {missing_in}, which no stage produces")
+            produced |= set(st.produces)
+        stages.extend(extra)
         if needs_ref:
             stages.append(LogprobStage("ref", C.REF_LOGPROBS, ref_engine, batch_size=cfg.pipeline.logprob_batch))
         if needs_old:
             stages.append(LogprobStage("old", C.OLD_LOGPROBS, trainer, batch_size=cfg.pipeline.logprob_batch))
         adv_inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
+        adv_inputs += [c for st in extra for c in st.produces]  # every added stage sees a sample first
         stages.append(AdvantageStage(algorithm, adv_inputs, n=n, groups_per_lease=1))
         step_log = _StepLogger(ctx, metrics, self.progress, cfg.trainer.total_steps, sinks=_sinks(cfg, self.run_dir))
         train = TrainStage(

@@ -105,6 +105,7 @@ class StageOutput:
 
     columns: Mapping[str, Column]
     versions: torch.Tensor | None = None
+    drop: torch.Tensor | None = None  #: bool per row: filter these samples out (their groups are dropped, counted)
 
 
 class Stage(abc.ABC):
@@ -178,6 +179,11 @@ class Stage(abc.ABC):
                 raise
             except Exception as exc:  # noqa: BLE001 - isolate the failing rows below
                 res = await self._rowwise(sub, exc)
+            if res.drop is not None:
+                rows = (sub.row_ids if sub.row_ids is not None else meta.row_ids[good])[res.drop.to(torch.bool)]
+                for r in rows.tolist():
+                    ctx.failed.setdefault(int(r), f"filtered:{self.name}")
+                ctx.counters[f"filtered_{self.name}"] += int(rows.numel())
             if good.numel() == batch.num_rows:
                 out_cols, versions = dict(res.columns), res.versions
             else:

@@ -48,6 +48,13 @@ log = logging.getLogger("asyncflow.flow")
 
 ROLLOUT_OUT = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS)
 
+#: why a marked row's group is dropped, most important first
+_REASON_RANK = {"failed": 0, "filtered": 1, "stale": 2}
+
+
+def _drop_reason(mark: str) -> str:
+    return "stale" if mark == "stale" else "filtered" if mark.startswith("filtered") else "failed"
+
 
 def _as_tuple(values: Sequence[Any] | torch.Tensor) -> tuple:
     """A result field (sequence or 1-D tensor) as a tuple of Python numbers, without a per-element loop."""
@@ -712,25 +719,25 @@ class TrainStage(Stage):
             ctx.halt("done")
 
     def _settle(self, v: int, meta: BatchMeta, batch: Batch) -> torch.Tensor:
-        """Positions of ``batch`` to train on; stale groups re-queued or dropped, failed ones dropped."""
+        """Positions of ``batch`` to train on. Groups with a marked row are dropped (failed > filtered > stale);
+        groups outside the staleness bound are re-queued or dropped per the policy."""
         ctx = self.ctx
         gids = batch[C.GROUP_ID]
-        failed = ctx.failed_mask(meta.row_ids)
-        stale_drop = torch.zeros_like(failed)
-        if bool(failed.any()):
-            reasons = [ctx.failed.get(int(r)) for r in meta.row_ids.tolist()]
-            stale_drop = torch.tensor([r == "stale" for r in reasons], dtype=torch.bool)
-            failed = failed & ~stale_drop
-            failed = torch.isin(gids, gids[failed]) if bool(failed.any()) else failed
-            stale_drop = torch.isin(gids, gids[stale_drop]) & ~failed if bool(stale_drop.any()) else stale_drop
-        usable = ~(failed | stale_drop)
+        marked = ctx.failed_mask(meta.row_ids)
+        settled = torch.zeros_like(marked)
+        if bool(marked.any()):
+            reasons: dict[int, str] = {}
+            for gid, row, is_marked in zip(gids.tolist(), meta.row_ids.tolist(), marked.tolist(), strict=True):
+                if is_marked:
+                    why = _drop_reason(ctx.failed[int(row)])
+                    if _REASON_RANK[why] < _REASON_RANK.get(reasons.get(gid, ""), 99):
+                        reasons[gid] = why
+            for g, why in reasons.items():
+                ctx.ledger.mark_dropped(int(g), why)
+            settled = torch.isin(gids, torch.tensor(list(reasons), dtype=gids.dtype))
         fresh, stale = S.split_fresh_groups(v, ctx.k, gids, meta.min_version)
-        fresh = fresh & usable
-        stale = stale & usable
-        for g in torch.unique(gids[failed]).tolist():
-            ctx.ledger.mark_dropped(int(g), "failed")
-        for g in torch.unique(gids[stale_drop]).tolist():
-            ctx.ledger.mark_dropped(int(g), "stale")
+        fresh = fresh & ~settled
+        stale = stale & ~settled
         for g in torch.unique(gids[stale]).tolist():
             if ctx.stale_policy == "drop":
                 ctx.ledger.mark_dropped(int(g), "stale")

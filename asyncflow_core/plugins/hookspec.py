@@ -22,6 +22,7 @@ from asyncflow_core.plugins.types import (
     RewardBackend,
     RolloutEngineBackend,
     SamplerBackend,
+    StageBackend,
     StoreBackend,
     TrainEngineBackend,
     WeightTransportBackend,
@@ -278,3 +279,44 @@ class AsyncflowHookSpecs:
                 yield LauncherBackend(name="slurm", factory=_make, config_model=SlurmConfig,
                                       description="One Slurm job step per role.")
         """
+
+    @hookspec
+    def asyncflow_stages(self) -> Iterable[StageBackend]:
+        """Register pipeline stages that configs add by name (``pipeline.stages``) or swap in (``pipeline.replace``).
+
+        A stage's factory returns a :class:`~asyncflow_core.flow.stage.Stage`:
+        it declares the columns it ``consumes`` and ``produces`` and computes
+        them in ``process``; the runtime leases, reads, writes and acknowledges.
+        Every added stage runs on each sample before advantages are computed;
+        returning ``drop`` filters samples (their prompt groups are dropped and
+        counted as ``filtered``).
+
+        Example::
+
+            import torch
+            from pydantic import BaseModel, ConfigDict, Field
+            from asyncflow_core.flow.stage import Stage, StageOutput
+            from asyncflow_core.plugins import StageBackend, hookimpl
+
+            class LengthFilterConfig(BaseModel):
+                model_config = ConfigDict(extra="forbid")
+                max_tokens: int = Field(4096, ge=1, description="Drop samples whose response is longer.")
+
+            class LengthFilter(Stage):
+                name = "length_filter"
+                consumes = ("response_ids",)
+                produces = ("too_long",)
+
+                def __init__(self, config: LengthFilterConfig):
+                    self.config = config
+
+                async def process(self, batch):
+                    too_long = batch["response_ids"].lengths > self.config.max_tokens
+                    return StageOutput({"too_long": too_long.float()}, drop=too_long)
+
+            @hookimpl
+            def asyncflow_stages():
+                yield StageBackend(name="length_filter", factory=LengthFilter, config_model=LengthFilterConfig,
+                                   description="Drops samples whose response exceeds max_tokens.")
+        """
+

@@ -37,6 +37,7 @@ class PluginKind(str, enum.Enum):
     REWARD = "reward"
     DATASET = "dataset"
     LAUNCHER = "launcher"
+    STAGE = "stage"
 
     @property
     def hook_name(self) -> str:
@@ -154,6 +155,13 @@ class LauncherBackend(Registration):
     kind: ClassVar[PluginKind] = PluginKind.LAUNCHER
 
 
+@dataclass(frozen=True)
+class StageBackend(Registration):
+    """Registers a flow-runtime stage (a :class:`~asyncflow_core.flow.stage.Stage` subclass instance per run)."""
+
+    kind: ClassVar[PluginKind] = PluginKind.STAGE
+
+
 RECORD_TYPES: dict[PluginKind, type[Registration]] = {
     PluginKind.ROLLOUT_ENGINE: RolloutEngineBackend,
     PluginKind.TRAIN_ENGINE: TrainEngineBackend,
@@ -164,6 +172,7 @@ RECORD_TYPES: dict[PluginKind, type[Registration]] = {
     PluginKind.REWARD: RewardBackend,
     PluginKind.DATASET: DatasetBackend,
     PluginKind.LAUNCHER: LauncherBackend,
+    PluginKind.STAGE: StageBackend,
 }
 
 
