@@ -196,6 +196,7 @@ class FlowRuntime:
         sim0 = clock()
         interrupted = False
         error: BaseException | None = None
+        tasks: dict[asyncio.Future, Stage | None] = {}
         try:
             await trainer.setup()
             if ref_engine is not None:
@@ -208,9 +209,10 @@ class FlowRuntime:
                 await store.register_task(st.name, consumes=st.consumes, produces=st.produces)
             for st in stages:
                 await st.setup()
-            tasks = {asyncio.ensure_future(st.run()): st for st in stages}
+            tasks.update({asyncio.ensure_future(st.run()): st for st in stages})
             stop_task = asyncio.ensure_future(ctx.stop.wait())
-            pending = set(tasks) | {stop_task}
+            tasks[stop_task] = None
+            pending = set(tasks)
             while pending and not ctx.stop.is_set():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
@@ -221,10 +223,6 @@ class FlowRuntime:
                         raise exc
                 if not (pending - {stop_task}):
                     break
-            for t in pending:
-                t.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*pending, return_exceptions=True)
         except (KeyboardInterrupt, asyncio.CancelledError):
             interrupted = True
             ctx.halt("interrupted")
@@ -232,6 +230,11 @@ class FlowRuntime:
             error = exc
             ctx.halt(f"{type(exc).__name__}: {exc}")
         finally:
+            # stop every stage before closing what they use, and collect their exceptions (none left unretrieved)
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
             step_log.close()
             await _quietly(store.close())
             await _quietly(transport.close())

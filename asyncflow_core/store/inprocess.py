@@ -83,6 +83,7 @@ def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
             fut.set_result(None)
         else:
             fut.set_exception(exc)
+            fut.exception()  # a waiter cancelled meanwhile never reads it: keep asyncio from logging it as lost
 
 
 class InProcessStore(StreamStore):

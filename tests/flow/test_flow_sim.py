@@ -105,3 +105,12 @@ def test_random_engine_speeds_and_lengths_never_break_the_bound(k, replicas, per
                      lengths={"median_tokens": median, "sigma": sigma}, max_new=4096, size=400)
     s = run_flow(resolve(cfg), virtual=True, write_png=False)
     _check(s, k, 4, 4, 2)
+
+
+def test_a_late_weight_transfer_is_an_error_with_its_reason_not_a_hang():
+    from asyncflow_core.errors import WeightTransferError
+
+    cfg = sim_config("one_step").model_copy(deep=True)
+    cfg.weight_transport.deadline_s = 0.5  # a simulated 7B send takes ~0.86 s
+    with pytest.raises(WeightTransferError, match="deadline"):
+        run_flow(resolve(cfg), virtual=True, write_png=False)

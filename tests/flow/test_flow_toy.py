@@ -172,3 +172,22 @@ def test_cli_run_writes_its_run_dir(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["steps"] == 2
     assert (tmp_path / "r" / "summary.json").is_file()
+
+
+def test_ctrl_c_stops_cleanly_and_writes_what_was_collected(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow_core", "run", str(EXAMPLE), "trainer.total_steps=100000",
+                             "data.epochs=100000", "--run-dir", str(tmp_path), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    metrics = tmp_path / "metrics.jsonl"
+    while time.monotonic() < deadline and (not metrics.is_file() or not metrics.read_text().strip()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+    assert (tmp_path / "trace.json").is_file() and (tmp_path / "summary.json").is_file()
+    assert json.loads((tmp_path / "summary.json").read_text())["stop_reason"] == "interrupted"
