@@ -8,6 +8,7 @@ the staleness bound is enforced (:mod:`asyncflow_core.flow.staleness`).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import logging
 from collections import Counter
@@ -220,6 +221,8 @@ class RolloutStage(Stage):
         self._tasks: set[asyncio.Task] = set()
         self._busy_since: dict[int, float] = {}
         self._wake = asyncio.Event()  # dispatcher wake-up: slots freed, weights updated, version moved
+        self._alive = len(self.replicas)
+        self._inflight_total = 0
 
     def _poke(self) -> None:
         self._wake.set()
@@ -238,6 +241,12 @@ class RolloutStage(Stage):
 
     def _free_slots(self) -> int:
         return sum(self.max_inflight - len(r.inflight) for r in self.replicas if self._eligible(r))
+
+    def _worth_leasing(self) -> bool:
+        """Cheap test first (counters, O(1) per wake-up), the exact O(replicas) count only when it may pass."""
+        upper = self._alive * self.max_inflight - self._inflight_total - len(self._pending)
+        want = min(self.rows_per_lease, max(1, self._alive * self.max_inflight // 8))
+        return upper >= want and self._free_slots() - len(self._pending) >= want
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -267,7 +276,7 @@ class RolloutStage(Stage):
         self._spawn(self._stale_watch())
         try:
             while not ctx.stop.is_set():
-                await self._wait_until(lambda: self._free_slots() > len(self._pending) or self._all_dead())
+                await self._wait_until(lambda: self._worth_leasing() or self._all_dead())
                 if self._all_dead():
                     ctx.halt("every rollout replica died; see the log for their errors")
                     return
@@ -287,7 +296,7 @@ class RolloutStage(Stage):
                 self._dispatch()
                 await asyncio.sleep(0)
             # stream ended: wait for what is in flight
-            await self._wait_until(lambda: all(not r.inflight for r in self.replicas) and not self._pending)
+            await self._wait_until(lambda: self._inflight_total == 0 and not self._pending)
             await self._flush()
         finally:
             for t in list(self._tasks):
@@ -298,18 +307,25 @@ class RolloutStage(Stage):
 
     def _dispatch(self) -> None:
         """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
+        if not self._pending:
+            return
+        heap = [(len(r.inflight) - self.max_inflight, r.index) for r in self.replicas if self._eligible(r)]
+        heapq.heapify(heap)
         per: dict[int, list[_Req]] = {}
-        still: list[_Req] = []
+        assigned = 0
         for req in self._pending:
-            cands = [r for r in self.replicas if self._eligible(r)]
-            if not cands:
-                still.append(req)
-                continue
-            r = max(cands, key=lambda r: self.max_inflight - len(r.inflight))
+            if not heap:
+                break
+            neg_free, idx = heapq.heappop(heap)
+            r = self.replicas[idx]
             req.start_version = min([r.engine.version, *req.prefix_versions])
             r.inflight[req.request_id] = req
-            per.setdefault(r.index, []).append(req)
-        self._pending = still
+            per.setdefault(idx, []).append(req)
+            assigned += 1
+            if neg_free + 1 < 0:
+                heapq.heappush(heap, (neg_free + 1, idx))
+        self._pending = self._pending[assigned:]
+        self._inflight_total += assigned
         for idx, reqs in per.items():
             r = self.replicas[idx]
             self._mark_busy(r)
@@ -334,7 +350,9 @@ class RolloutStage(Stage):
         if r.dead:
             return
         r.dead = True
+        self._alive -= 1
         orphans = list(r.inflight.values())
+        self._inflight_total -= len(orphans)
         r.inflight.clear()
         self._mark_busy(r)
         self.ctx.counters["replicas_died"] += 1
@@ -354,6 +372,7 @@ class RolloutStage(Stage):
         self._mark_busy(r)
         if req is None:
             return  # a request we already gave up on
+        self._inflight_total -= 1
         if res.finish_reason is FinishReason.ERROR:
             ctx.fail_rows(self.name, [req.row], res.error or "engine error")
             await self._write(req, None)
