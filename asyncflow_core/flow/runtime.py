@@ -235,6 +235,7 @@ class FlowRuntime:
                 t.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.gather(*tasks, return_exceptions=True)
+            rollout.close_spans()
             step_log.close()
             await _quietly(store.close())
             await _quietly(transport.close())

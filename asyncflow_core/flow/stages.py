@@ -522,14 +522,20 @@ class RolloutStage(Stage):
                         await self._replica_died(r, exc)
 
     async def sleep_all(self) -> None:
-        for r in self.replicas:
-            if not r.dead and r.engine.features.supports_sleep:
-                await r.engine.sleep(1)
+        """Every replica releases its device memory for the colocated train step (all at once, like the devices)."""
+        await asyncio.gather(*(r.engine.sleep(1) for r in self.replicas
+                               if not r.dead and r.engine.features.supports_sleep))
 
     async def wake_all(self) -> None:
-        for r in self.replicas:
-            if not r.dead and r.engine.features.supports_sleep:
-                await r.engine.wake_up()
+        await asyncio.gather(*(r.engine.wake_up() for r in self.replicas
+                               if not r.dead and r.engine.features.supports_sleep))
+
+    def close_spans(self) -> None:
+        """Record the busy spans still open (replicas generating when the run stopped)."""
+        now = self.ctx.clock()
+        for idx, since in list(self._busy_since.items()):
+            self.ctx.timeline.add(self.replicas[idx].lane, "generate", since, now)
+        self._busy_since.clear()
 
 
 # ------------------------------------------------------------------------------------------- reward
