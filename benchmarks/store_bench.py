@@ -101,14 +101,11 @@ _DIST_WORLD: list[Any] = []
 
 def _serve_rank0(port: int, conn: Any) -> None:
     """The distributed store's server rank: hosts the store until the benchmark process says stop."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
-    from asyncflow_core.store.deployments.distributed import DistributedHost
+    from asyncflow_core.store.deployments.distributed import DistributedHost, init_loopback_process_group
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2,
-                            timeout=timedelta(seconds=120))
+    init_loopback_process_group(0, 2, port)
     host = DistributedHost.start()
     conn.send("ready")
     try:
@@ -126,9 +123,10 @@ def _join_distributed_world() -> None:
     import atexit
     import multiprocessing as mp
     import socket
-    from datetime import timedelta
 
     import torch.distributed as dist
+
+    from asyncflow_core.store.deployments.distributed import init_loopback_process_group
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,8 +135,7 @@ def _join_distributed_world() -> None:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_serve_rank0, args=(port, child), daemon=True)
     proc.start()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2,
-                            timeout=timedelta(seconds=120))
+    init_loopback_process_group(1, 2, port)
     assert parent.poll(120) and parent.recv() == "ready", "the distributed store's server rank did not start"
     _DIST_WORLD.extend([proc, parent])
 

@@ -12,9 +12,9 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -41,8 +41,9 @@ def _ctx():
 
 
 def _init(port: int, rank: int, world: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=JOIN_S))
+    from asyncflow_core.store.deployments.distributed import init_loopback_process_group
+
+    init_loopback_process_group(rank, world, port, timeout_s=JOIN_S)
 
 
 # ---------------------------------------------------------------- processes
@@ -290,3 +291,40 @@ def test_rows_leased_by_a_rank_that_dies_come_back():
         assert sorted(back) == sorted(leased) == sorted(put_rows) and sorted(ids) == [[1], [2]]
     finally:
         world.stop()
+
+
+def _listening_ports(pid: int) -> list[tuple[str, int]]:
+    import subprocess
+
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
+    found = []
+    for line in out.splitlines():
+        if f"pid={pid}," in line:
+            local = line.split()[3]
+            host, _, port = local.rpartition(":")
+            found.append((host, int(port)))
+    return found
+
+
+def _bind_probe(port: int, out) -> None:
+    import os
+
+    from asyncflow_core.store.deployments.distributed import init_loopback_process_group
+
+    init_loopback_process_group(0, 1, port)
+    out.send(_listening_ports(os.getpid()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss to list listening sockets")
+def test_rendezvous_listens_on_loopback_only():
+    parent, child = _ctx().Pipe()
+    proc = _ctx().Process(target=_bind_probe, args=(_free_port(), child))
+    proc.start()
+    try:
+        assert parent.poll(60)
+        ports = parent.recv()
+    finally:
+        proc.join(timeout=30)
+    assert ports, "the rendezvous store should be listening"
+    assert all(host in ("127.0.0.1", "[::ffff:127.0.0.1]") for host, _ in ports), ports

@@ -875,3 +875,33 @@ def open_distributed_store(config: DistributedStoreConfig, group: Any = None) ->
 
 
 __all__ = ["DistributedHost", "DistributedStore", "P2PLink", "open_distributed_store", "plan_messages"]
+
+
+_LOOPBACK_LISTENERS: list = []  # the master's bound sockets must outlive its TCPStore
+
+
+def init_loopback_process_group(rank: int, world_size: int, port: int, *, backend: str = "gloo",
+                                timeout_s: float = 120.0) -> None:
+    """Join a torch.distributed group whose rendezvous listens on 127.0.0.1 only (single-host runs and tests).
+
+    ``init_method="tcp://127.0.0.1:PORT"`` makes rank 0's TCPStore listen on
+    every interface; here rank 0 binds the listening socket to loopback itself
+    and hands it to the store (``master_listen_fd``).
+    """
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen(128)
+        _LOOPBACK_LISTENERS.append(listener)
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout,
+                              master_listen_fd=listener.fileno(), use_libuv=False)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout, use_libuv=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
