@@ -877,7 +877,7 @@ def open_distributed_store(config: DistributedStoreConfig, group: Any = None) ->
 __all__ = ["DistributedHost", "DistributedStore", "P2PLink", "open_distributed_store", "plan_messages"]
 
 
-_LOOPBACK_LISTENERS: list = []  # the master's bound sockets must outlive its TCPStore
+_LOOPBACK_LISTENERS: list[int] = []  # the master's listening fds, open for the life of the process
 
 
 def init_loopback_process_group(rank: int, world_size: int, port: int, *, backend: str = "gloo",
@@ -899,9 +899,12 @@ def init_loopback_process_group(rank: int, world_size: int, port: int, *, backen
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", port))
         listener.listen(128)
-        _LOOPBACK_LISTENERS.append(listener)
+        # the store's daemon thread polls this fd until the process ends: detach it so Python never closes it
+        # under the daemon at interpreter exit (which aborts the process with "unexpected poll revent")
+        fd = listener.detach()
+        _LOOPBACK_LISTENERS.append(fd)
         store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout=timeout,
-                              master_listen_fd=listener.fileno(), use_libuv=False)
+                              master_listen_fd=fd, use_libuv=False)
     else:
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout, use_libuv=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
