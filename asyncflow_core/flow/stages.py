@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from asyncflow_core import columns as C
-from asyncflow_core.errors import EngineError
 from asyncflow_core.flow import staleness as S
-from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage, StageOutput
+from asyncflow_core.flow.stage import RunStopped, Stage, StageOutput
 from asyncflow_core.flow.tokenizer import Tokenizer
 from asyncflow_core.interfaces import (
     Algorithm,

@@ -222,3 +222,26 @@ def num_tokens_of(columns: dict[str, Any], token_columns: Sequence[str]) -> torc
     if not lengths:
         return None
     return torch.stack(lengths).sum(0)
+
+
+def split_column(name: Any, col: Any, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(values, lengths or None)`` of one put column, after checking its name, type and row count."""
+    from asyncflow_core.store.errors import ColumnTypeError
+    from asyncflow_core.types import RaggedTensor
+
+    if not isinstance(name, str) or not name:
+        raise ColumnTypeError(f"column names must be non-empty strings, got {name!r}")
+    if isinstance(col, RaggedTensor):
+        values, lengths, rows_here = col.values, col.lengths, len(col)
+    elif isinstance(col, torch.Tensor):
+        if col.dim() == 0:
+            raise ColumnTypeError(f"dense column {name!r} needs a leading row dimension; got a 0-d tensor")
+        values, lengths, rows_here = col, None, int(col.shape[0])
+    else:
+        raise ColumnTypeError(f"column {name!r} must be a torch.Tensor (dense) or a RaggedTensor, got {type(col).__name__}")
+    if rows_here != n:
+        raise ColumnTypeError(
+            f"column {name!r} holds {rows_here} rows but {n} rows are being written; "
+            "give every column one value (or sequence) per row"
+        )
+    return values, lengths

@@ -69,7 +69,7 @@ from asyncflow_core.store.deployments.arena_storage import ArenaStorage, ColumnL
 from asyncflow_core.store.deployments.channel import ChannelClient, Connection, new_token, private_dir
 from asyncflow_core.store.deployments.codec import dtype_from_name, dtype_name
 from asyncflow_core.store.deployments.config import DistributedStoreConfig
-from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of
+from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of, split_column
 from asyncflow_core.store.deployments.remote import RemoteStoreClient, install_control_ops
 from asyncflow_core.store.deployments.server import ServerThread, StoreServer
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, StoreClosedError, StoreTimeoutError
@@ -739,28 +739,11 @@ class DistributedStore(RemoteStoreClient):
         payloads: list[torch.Tensor] = []
         described: dict[str, dict[str, Any]] = {}
         for name, col in columns.items():
-            if not isinstance(name, str) or not name:
-                raise ColumnTypeError(f"column names must be non-empty strings, got {name!r}")
-            if isinstance(col, RaggedTensor):
-                values, lengths = col.values, col.lengths
-            elif isinstance(col, torch.Tensor):
-                if col.dim() == 0:
-                    raise ColumnTypeError(f"dense column {name!r} needs a leading row dimension; got a 0-d tensor")
-                values, lengths = col, None
-            else:
-                raise ColumnTypeError(
-                    f"column {name!r} must be a torch.Tensor (dense) or a RaggedTensor, got {type(col).__name__}"
-                )
-            rows_here = len(col) if isinstance(col, RaggedTensor) else int(col.shape[0])
-            if rows_here != n:
-                raise ColumnTypeError(
-                    f"column {name!r} holds {rows_here} rows but {n} rows are being written; "
-                    "give every column one value (or sequence) per row"
-                )
+            values, lengths = split_column(name, col, n)
             values = values.detach().to(self.device).contiguous()
             payloads.append(_flat(values))
             described[name] = {"ragged": lengths is not None, "dtype": dtype_name(values.dtype),
-                               "trailing": list(values.shape[1:]), "rows": rows_here,
+                               "trailing": list(values.shape[1:]), "rows": n,
                                "lengths": None if lengths is None else lengths.cpu()}
         if group_ids is not None:
             group_ids = torch.as_tensor(group_ids, dtype=torch.int64).reshape(-1)

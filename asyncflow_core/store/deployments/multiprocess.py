@@ -47,11 +47,11 @@ from asyncflow_core.store.deployments.arena import ArenaAllocator, ArenaFullErro
 from asyncflow_core.store.deployments.arena_storage import ArenaStorage, ColumnLayout, read_column_ex
 from asyncflow_core.store.deployments.channel import Connection, new_token, private_dir
 from asyncflow_core.store.deployments.codec import dtype_name
-from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of
+from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of, split_column
 from asyncflow_core.store.deployments.remote import RemoteStoreClient, install_control_ops
 from asyncflow_core.store.deployments.server import ServerThread, StoreServer
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, StoreTimeoutError
-from asyncflow_core.types import Batch, Column, RaggedTensor
+from asyncflow_core.types import Batch, Column
 
 SOCKET_NAME = "store.sock"
 ARENA_NAME = "arena"
@@ -231,29 +231,11 @@ class MultiprocessStore(RemoteStoreClient):
         payloads: dict[str, torch.Tensor] = {}
         described: dict[str, dict[str, Any]] = {}
         for name, col in columns.items():
-            if not isinstance(name, str) or not name:
-                raise ColumnTypeError(f"column names must be non-empty strings, got {name!r}")
-            if isinstance(col, RaggedTensor):
-                values = col.values
-                lengths = col.lengths
-            elif isinstance(col, torch.Tensor):
-                if col.dim() == 0:
-                    raise ColumnTypeError(f"dense column {name!r} needs a leading row dimension; got a 0-d tensor")
-                values, lengths = col, None
-            else:
-                raise ColumnTypeError(
-                    f"column {name!r} must be a torch.Tensor (dense) or a RaggedTensor, got {type(col).__name__}"
-                )
-            rows_here = len(col) if isinstance(col, RaggedTensor) else int(col.shape[0])
-            if rows_here != n:
-                raise ColumnTypeError(
-                    f"column {name!r} holds {rows_here} rows but {n} rows are being written; "
-                    "give every column one value (or sequence) per row"
-                )
+            values, lengths = split_column(name, col, n)
             values = values.detach().cpu().contiguous()
             payloads[name] = values
             described[name] = {"ragged": lengths is not None, "dtype": dtype_name(values.dtype),
-                               "trailing": list(values.shape[1:]), "rows": n if lengths is None else len(col),
+                               "trailing": list(values.shape[1:]), "rows": n,
                                "lengths": lengths}
         if group_ids is not None:
             group_ids = torch.as_tensor(group_ids, dtype=torch.int64).reshape(-1)
