@@ -20,7 +20,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from asyncflow_core.errors import AsyncflowError, UnknownPluginError
+from asyncflow_core.errors import AsyncflowError, ConfigError, UnknownPluginError
 from asyncflow_core.plugins import PluginKind, get_plugin_manager
 
 app = typer.Typer(
@@ -130,35 +130,55 @@ def _run_dir(cfg: Any, run_dir: Path | None) -> Path:
     return run_dir if run_dir is not None else Path(cfg.logging.run_dir.format(name=cfg.name))
 
 
-def _run(file: Path, overrides: list[str] | None, run_dir: Path | None, progress: bool, virtual: bool) -> None:
+def _run(file: Path | None, overrides: list[str] | None, run_dir: Path | None, progress: bool, virtual: bool,
+         resume: Path | None = None) -> None:
     import json
     import logging
 
     from asyncflow_core.config import load_config, resolve
     from asyncflow_core.flow.launcher import launch
 
+    if resume is not None:
+        if run_dir is not None and run_dir != resume:
+            raise ConfigError("--resume continues the run in its own directory; drop --run-dir")
+        saved = resume / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {resume}: no config.yaml there; give the directory of an earlier run")
+        if file is not None:
+            # `asyncflow run --resume RUN_DIR key=value`: the first override lands in FILE's place
+            if "=" not in str(file):
+                raise ConfigError("with --resume the run's own config.yaml is used; give only dotted overrides")
+            overrides = [str(file), *(overrides or [])]
+        file, run_dir = saved, resume
+    elif file is None:
+        raise ConfigError("give a run config (YAML), or --resume RUN_DIR to continue a run")
     cfg = load_config(file, overrides or [])
     logging.basicConfig(level=cfg.logging.level, format="%(levelname)s %(name)s: %(message)s")
     resolved = resolve(cfg)
     target = _run_dir(cfg, run_dir)
     try:
-        summary = launch(resolved, virtual=virtual, run_dir=target, progress=progress and sys.stderr.isatty())
+        summary = launch(resolved, virtual=virtual, run_dir=target, progress=progress and sys.stderr.isatty(),
+                         resume=resume is not None)
     except KeyboardInterrupt:
         err.print(f"interrupted; what was collected is in {target}")
         raise typer.Exit(130) from None
-    out.print_json(json.dumps({k: v for k, v in summary.items() if k != "utilisation"}))
-    err.print(f"metrics, trace.json and timeline.png in {target}")
+    out.print_json(json.dumps({k: v for k, v in summary.items() if k not in ("utilisation", "step_end_s")}))
+    made = [name for name in ("metrics.jsonl", "trace.json", "timeline.png", "reward.png", "checkpoints",
+                              "final_model") if (target / name).exists()]
+    err.print(f"run directory {target}: {', '.join(made)}")
 
 
 @app.command("run")
 def run_cmd(
-    file: Annotated[Path, typer.Argument(help="YAML run config.")],
+    file: Annotated[Path | None, typer.Argument(help="YAML run config (omit with --resume).")] = None,
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.total_steps=100.")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="Where metrics and traces go (default: logging.run_dir).")] = None,
     progress: Annotated[bool, typer.Option(help="Live progress display on a terminal.")] = True,
+    resume: Annotated[Path | None, typer.Option(
+        help="Continue the run in this directory from its newest checkpoint (its config.yaml, plus overrides).")] = None,
 ) -> None:
     """Run RL training as the config describes (the local launcher: one process, asyncio)."""
-    _run(file, overrides, run_dir, progress, virtual=False)
+    _run(file, overrides, run_dir, progress, virtual=False, resume=resume)
 
 
 @app.command("sim")

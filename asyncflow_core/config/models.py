@@ -93,7 +93,15 @@ class TrainerConfig(Component):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one micro-batch (packing is token-balanced)."
     )
-    checkpoint_every: int = Field(0, ge=0, description="Save a resumable checkpoint every N steps; 0 disables.")
+    checkpoint_every: int = Field(
+        0, ge=0,
+        description="Save a resumable checkpoint (run_dir/checkpoints) every N steps and at the end; 0 disables.",
+    )
+    keep_checkpoints: int = Field(2, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    export_final: bool = Field(
+        True, description="At the end, write the weights as a Hugging Face checkpoint in run_dir/final_model "
+        "(engines that have a Hugging Face model)."
+    )
 
 
 class StoreConfig(Component):

@@ -30,7 +30,7 @@ class LocalLauncher(Launcher):
 
 
 def launch(resolved: ResolvedConfig, *, virtual: bool = False, run_dir: Path | None = None,
-           progress: bool = False) -> dict[str, Any]:
+           progress: bool = False, resume: bool = False) -> dict[str, Any]:
     """Run ``resolved`` with its launcher (``local`` runs here; ``virtual`` selects the virtual clock)."""
     from asyncflow_core.flow.runtime import run_flow
 
@@ -40,7 +40,7 @@ def launch(resolved: ResolvedConfig, *, virtual: bool = False, run_dir: Path | N
             f"launcher {name!r} cannot run from this command yet; use launcher.name: local "
             "(`asyncflow plugins --kind launcher` lists what is installed)"
         )
-    return run_flow(resolved, virtual=virtual, run_dir=run_dir, progress=progress)
+    return run_flow(resolved, virtual=virtual, run_dir=run_dir, progress=progress, resume=resume)
 
 
 @hookimpl

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from asyncflow_core import columns as C
 from asyncflow_core.config.loader import ResolvedConfig
-from asyncflow_core.errors import ConfigError
+from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
+from asyncflow_core.flow.checkpoint import CheckpointState, latest_checkpoint, save_checkpoint
 from asyncflow_core.flow.ledger import Ledger
 from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage
 from asyncflow_core.flow.stages import (
@@ -37,7 +39,7 @@ from asyncflow_core.flow.stages import (
     RolloutStage,
     TrainStage,
 )
-from asyncflow_core.flow.telemetry import MetricsWriter, Timeline, gantt_png
+from asyncflow_core.flow.telemetry import MetricsWriter, Timeline, gantt_png, reward_png
 from asyncflow_core.flow.tokenizer import make_tokenizer
 from asyncflow_core.interfaces import KVCachePolicy, OffPolicyCorrection
 from asyncflow_core.plugins import get_plugin_manager
@@ -70,20 +72,62 @@ class FlowRuntime:
     """One run: engines, store, stages, weight sync, telemetry."""
 
     def __init__(self, resolved: ResolvedConfig, *, run_dir: Path | None = None, progress: bool = False,
-                 write_png: bool = True) -> None:
+                 write_png: bool = True, resume: bool = False) -> None:
         self.resolved = resolved
         self.config = resolved.config
         self.run_dir = run_dir
+        self.resume = resume
+        if resume and run_dir is None:
+            raise ConfigError("resuming needs the run directory of the run to continue")
         self.progress = progress
         self.write_png = write_png
         self.pm = get_plugin_manager()
         self.summary: dict[str, Any] = {}
 
+    async def _restore(self, resume_from: tuple[Path, CheckpointState], trainer: Any, ctx: FlowContext,
+                       step_log: _StepLogger, rollout: RolloutStage, transport: Any) -> None:
+        """Load the trainer's checkpoint and the sample accounting, then give every replica the restored weights."""
+        path, state = resume_from
+        await trainer.load(path / "trainer")
+        if trainer.version != state.version:
+            raise EngineError(f"checkpoint {path}: the trainer restored version {trainer.version}, "
+                              f"the run state says {state.version}")
+        await _restore_ledger(ctx, state)
+        ctx.version = trainer.version
+        step_log.tokens = state.tokens_trained
+        cfg = self.config
+        report = await transport.send(trainer.export_weights(bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20))),
+                                      deadline_s=cfg.weight_transport.deadline_s)
+        ctx.published = report.version
+        for r in rollout.replicas:
+            await rollout._update(r)
+        log.info("resumed from %s at version %d (%d prompts trained, %d dropped)", path, trainer.version,
+                 len(state.trained), len(state.dropped))
+
+    def _inherited(self, section: str) -> dict[str, Any]:
+        """Run-level settings an engine's options receive when they have the field and the user left it unset.
+
+        Engines that load a real model declare a ``model`` option (the run's
+        ``model`` section); trainers that score tokens declare ``temperature``
+        / ``top_p`` / ``top_k`` and get the rollout's, so both sides use one
+        log-prob convention.
+        """
+        cfg = self.config
+        if section == "rollout":
+            return {"model": cfg.model}
+        if section == "trainer":
+            return {"model": cfg.model, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                    "top_k": cfg.rollout.top_k}
+        return {}
+
     def _create(self, section: str, **update: Any) -> Any:
         comp = self.resolved.components[section]
         options = comp.options
+        fields = getattr(type(options), "model_fields", {})
+        explicit = getattr(options, "model_fields_set", set())
+        inherit = {k: v for k, v in self._inherited(section).items() if k in fields and k not in explicit}
+        update = {**inherit, **update}
         if update:
-            fields = type(options).model_fields
             options = options.model_copy(update={k: v for k, v in update.items() if k in fields})
         return comp.registered.record.factory(options)
 
@@ -118,10 +162,9 @@ class FlowRuntime:
         missing = [c for c in algorithm.required_columns if c not in produced]
         if missing:
             raise ConfigError(f"algorithm {cfg.algorithm.name!r} needs columns no stage produces: {missing}")
-        if cfg.trainer.checkpoint_every:
-            raise ConfigError(
-                "trainer.checkpoint_every: the flow runtime does not write resumable checkpoints yet; set it to 0"
-            )
+        if cfg.trainer.checkpoint_every and self.run_dir is None:
+            raise ConfigError("trainer.checkpoint_every needs a run directory to write checkpoints into")
+        resume_from = latest_checkpoint(self.run_dir) if self.resume else None
         store_opts = self.resolved.components["store"].options
         need_rows = (k + 2) * B * n
         if getattr(store_opts, "capacity", need_rows) < need_rows:
@@ -133,6 +176,17 @@ class FlowRuntime:
         dataset = self._create("data")
         if len(dataset) == 0:
             raise ConfigError("the dataset is empty; point data.options at a file with prompts")
+        data_print = {"size": len(dataset), "seed": cfg.seed, "shuffle": cfg.data.shuffle, "epochs": cfg.data.epochs,
+                      "prompts_per_step": B, "n": n}
+        if resume_from is not None and resume_from[1].data != data_print:
+            raise ConfigError(
+                f"cannot resume from {resume_from[0]}: the data order changed (checkpoint {resume_from[1].data}, "
+                f"now {data_print}); resume with the same dataset, seed, data.* settings and rollout.n"
+            )
+        if self.run_dir is not None and not self.resume:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(
+                yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False))
         tokenizer = make_tokenizer(cfg.model)
         store = self._create("store", clock=clock, group_size=n)
         transport = self._create("weight_transport")
@@ -145,7 +199,7 @@ class FlowRuntime:
         ctx = FlowContext(store=store, timeline=timeline, ledger=Ledger(), k=k, prompts_per_step=B, n=n, clock=clock,
                           stale_policy=cfg.async_.stale_policy.value,
                           max_failure_rate=cfg.pipeline.max_failure_rate)
-        metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.run_dir else None)
+        metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.run_dir else None, append=self.resume)
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
         colocated = bool(cfg.async_.colocated)
@@ -189,6 +243,19 @@ class FlowRuntime:
             bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20)), deadline_s=cfg.weight_transport.deadline_s,
             colocated=colocated, on_step=step_log.on_step,
         )
+        if cfg.trainer.checkpoint_every:
+            run_dir = self.run_dir
+            assert run_dir is not None
+
+            async def checkpoint(version: int) -> None:
+                led = ctx.ledger
+                state = CheckpointState(version=version, trained=sorted(led.trained), dropped=dict(led.dropped),
+                                        data=data_print, counters=dict(led.counters), tokens_trained=step_log.tokens)
+                where = await save_checkpoint(run_dir, trainer, state, keep=cfg.trainer.keep_checkpoints)
+                log.info("checkpoint of version %d in %s", version, where)
+
+            train.checkpoint = checkpoint
+            train.checkpoint_every = cfg.trainer.checkpoint_every
         train.sampler = cfg.sampler.name
         stages.append(train)
 
@@ -209,6 +276,8 @@ class FlowRuntime:
                 await store.register_task(st.name, consumes=st.consumes, produces=st.produces)
             for st in stages:
                 await st.setup()
+            if resume_from is not None:
+                await self._restore(resume_from, trainer, ctx, step_log, rollout, transport)
             tasks.update({asyncio.ensure_future(st.run()): st for st in stages})
             stop_task = asyncio.ensure_future(ctx.stop.wait())
             tasks[stop_task] = None
@@ -241,6 +310,14 @@ class FlowRuntime:
             await _quietly(transport.close())
             for r in replicas:
                 await _quietly(r.shutdown())
+            if cfg.trainer.export_final and self.run_dir is not None and error is None and not interrupted \
+                    and trainer.version > 0:
+                try:
+                    await trainer.export_pretrained(self.run_dir / "final_model")
+                except UnsupportedFeatureError:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - the run's results are already safe
+                    log.warning("final export failed: %s: %s", type(exc).__name__, exc)
             await _quietly(trainer.shutdown())
             if ref_engine is not None:
                 await _quietly(ref_engine.shutdown())
@@ -255,6 +332,8 @@ class FlowRuntime:
             "wall_seconds": wall_s,
             "samples_trained": trained_samples,
             "samples_per_s": trained_samples / sim_s if sim_s > 0 else 0.0,
+            "steady_samples_per_s": _steady_rate(step_log.step_ends),
+            "step_end_s": [round(t - sim0, 6) for t, _ in step_log.step_ends],
             "tokens_trained": step_log.tokens,
             "staleness_histogram": {str(k_): v for k_, v in sorted(train.staleness_hist.items())},
             "max_staleness": k,
@@ -265,6 +344,8 @@ class FlowRuntime:
         if self.run_dir is not None:
             timeline.write(self.run_dir)
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+            if self.write_png and (self.run_dir / "metrics.jsonl").exists():
+                reward_png(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png", title=f"{cfg.name}: mean reward")
             if self.write_png:
                 gantt_png(timeline.spans and [s.__class__(s.lane, s.name, s.start - timeline.t0, s.end - timeline.t0)
                                               for s in timeline.spans] or [], self.run_dir / "timeline.png",
@@ -276,6 +357,26 @@ class FlowRuntime:
         if ctx.stop_reason not in (None, "done") and not ctx.stop_reason.startswith("the prompt stream ended"):
             raise RunStopped(ctx.stop_reason)
         return self.summary
+
+
+def _steady_rate(step_ends: list[tuple[float, int]]) -> float | None:
+    """Samples/s from the end of the first step to the end of the last: throughput without the pipeline fill.
+
+    A pipelined run spends its first step filling the pipeline (nothing to
+    train until the first batch is generated); a long run amortises that to
+    nothing, so this is the figure a long run sees. None with fewer than two steps.
+    """
+    if len(step_ends) < 2 or step_ends[-1][0] <= step_ends[0][0]:
+        return None
+    return sum(n for _, n in step_ends[1:]) / (step_ends[-1][0] - step_ends[0][0])
+
+
+async def _restore_ledger(ctx: FlowContext, state: CheckpointState) -> None:
+    led = ctx.ledger
+    led.trained = set(state.trained)
+    led.dropped = dict(state.dropped)
+    led.admitted = len(led.trained) + len(led.dropped)
+    led.counters.update(state.counters)
 
 
 async def _quietly(coro: Any) -> None:
@@ -295,6 +396,7 @@ class _StepLogger:
         self.writer = writer
         self.tokens = 0
         self.total = total
+        self.step_ends: list[tuple[float, int]] = []  #: (clock at the end of each step, samples it trained)
         self._last_end = ctx.clock()
         self._last_counters: Counter[str] = Counter()
         self._progress = None
@@ -338,6 +440,7 @@ class _StepLogger:
             **{f"train/{k}": float(v) for k, v in metrics.items()},
         }
         self.writer.write(record)
+        self.step_ends.append((now, batch.num_rows))
         scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float))}
         for sink in self.sinks:
             sink(version + 1, scalars)
@@ -373,9 +476,12 @@ def _sinks(cfg: Any, run_dir: Path | None) -> list[Any]:
 
 
 def run_flow(resolved: ResolvedConfig, *, virtual: bool = False, run_dir: Path | None = None,
-             progress: bool = False, write_png: bool = True) -> dict[str, Any]:
-    """Run to completion on a fresh event loop (the virtual-clock loop when ``virtual``); returns the summary."""
-    runtime = FlowRuntime(resolved, run_dir=run_dir, progress=progress, write_png=write_png)
+             progress: bool = False, write_png: bool = True, resume: bool = False) -> dict[str, Any]:
+    """Run to completion on a fresh event loop (the virtual-clock loop when ``virtual``); returns the summary.
+
+    ``resume``: continue the run in ``run_dir`` from its newest checkpoint.
+    """
+    runtime = FlowRuntime(resolved, run_dir=run_dir, progress=progress, write_png=write_png, resume=resume)
     if virtual:
         from asyncflow_core.flow.clock import run_virtual
 

@@ -122,6 +122,8 @@ class PromptFeeder(Stage):
                     exhausted = True
                     break
                 uid, idx = nxt
+                if uid in led.trained or uid in led.dropped:
+                    continue  # settled before a resume
                 groups.append(led.admit(uid, self.dataset[idx]))
             if groups:
                 await self._put(groups)
@@ -679,6 +681,8 @@ class TrainStage(Stage):
         self.deadline_s = deadline_s
         self.colocated = colocated
         self.on_step = on_step
+        self.checkpoint: Any = None  #: async callable(version) saving a resumable checkpoint, or None
+        self.checkpoint_every = 0
         self.staleness_hist: Counter[int] = Counter()
 
     async def run(self) -> None:
@@ -739,6 +743,10 @@ class TrainStage(Stage):
                     await self.rollout.wake_all()
             await ctx.notify()
             await self.on_step(v, t_begin, train_batch, metrics, report, lag)
+            if self.checkpoint is not None and (self.engine.version % self.checkpoint_every == 0
+                                                or self.engine.version >= self.total_steps):
+                with ctx.timeline.span(self.name, "checkpoint"):
+                    await self.checkpoint(self.engine.version)
         if self.engine.version >= self.total_steps:
             ctx.halt("done")
 

@@ -186,13 +186,13 @@ def gantt_png(spans: list[Span], path: Path, *, title: str = "asyncflow timeline
 class MetricsWriter:
     """One JSON object per line (``metrics.jsonl``), flushed as written."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, *, append: bool = False) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
         self._fh = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = path.open("w")
+            self._fh = path.open("a" if append else "w")
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -204,3 +204,43 @@ class MetricsWriter:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def reward_png(metrics: Path | list[dict[str, Any]], path: Path, *, title: str = "reward",
+               series: dict[str, list[dict[str, Any]]] | None = None) -> Path:
+    """Mean reward per step (from ``metrics.jsonl`` records) as a line plot; ``series`` overlays several runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if series is None:
+        records = load_metrics(metrics) if isinstance(metrics, Path) else metrics
+        series = {"reward": records}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, records in series.items():
+        pts = [(r["step"], r["reward_mean"]) for r in records if "reward_mean" in r]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a torn last line, from a killed run, is skipped)."""
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

@@ -6,6 +6,7 @@ import abc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from asyncflow_core.errors import UnsupportedFeatureError
 from asyncflow_core.interfaces.algorithm import Algorithm
 from asyncflow_core.interfaces.features import TrainFeatures
 from asyncflow_core.types import Batch, WeightBucket
@@ -81,6 +82,14 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     async def load(self, path: Path) -> None:
         """Restore a checkpoint written by :meth:`save`; :attr:`version` is restored too."""
+
+    async def export_pretrained(self, path: Path) -> None:
+        """Write the current weights as a Hugging Face checkpoint (``config.json`` + safetensors) under ``path``.
+
+        Lets any other tool load the trained policy. Optional: engines
+        without a Hugging Face model raise ``UnsupportedFeatureError``.
+        """
+        raise UnsupportedFeatureError(f"{type(self).__name__} cannot export a Hugging Face checkpoint")
 
     @abc.abstractmethod
     async def shutdown(self) -> None:

@@ -1,0 +1,103 @@
+"""Resumable checkpoints of a run: the trainer's own checkpoint plus the runtime's sample accounting.
+
+Layout under the run directory::
+
+    config.yaml                    the run's config, as validated (``--resume`` reads it)
+    checkpoints/step_000040/       one checkpoint per saved version
+        trainer/                   TrainEngine.save (model, optimizer, version, RNG)
+        state.json                 version, prompts trained and dropped, the data order's fingerprint
+    checkpoints/latest             name of the newest complete checkpoint
+
+A checkpoint directory is written under a temporary name and renamed when
+complete, and ``latest`` is replaced atomically, so a run killed mid-save
+resumes from the previous checkpoint.
+
+What resuming restores: the trainer (weights, optimizer, version), the
+prompts already trained on or dropped (by their position in the seeded data
+order: ``epoch * len(dataset) + index``), and that order itself. Prompts that
+were generated or in flight but not yet trained at the checkpoint are not
+recorded as consumed, so the resumed run generates them again with the
+restored weights: no prompt is trained on twice and none is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncflow_core.errors import ConfigError
+
+LATEST = "latest"
+STATE = "state.json"
+
+
+@dataclass
+class CheckpointState:
+    version: int
+    trained: list[int]  #: prompt uids trained on
+    dropped: dict[int, str]  #: prompt uid -> reason
+    data: dict[str, Any]  #: fingerprint of the data order (size, seed, shuffle, epochs)
+    counters: dict[str, int] = field(default_factory=dict)  #: the ledger's counters at the checkpoint
+    tokens_trained: int = 0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["dropped"] = {str(k): v for k, v in self.dropped.items()}
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> CheckpointState:
+        d = json.loads(text)
+        d["dropped"] = {int(k): v for k, v in d["dropped"].items()}
+        return cls(**d)
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def step_dir(run_dir: Path, version: int) -> Path:
+    return checkpoint_root(run_dir) / f"step_{version:06d}"
+
+
+async def save_checkpoint(run_dir: Path, trainer: Any, state: CheckpointState, *, keep: int) -> Path:
+    """Write ``trainer`` and ``state`` as the checkpoint of ``state.version``; keep the newest ``keep``."""
+    root = checkpoint_root(run_dir)
+    final = step_dir(run_dir, state.version)
+    tmp = root / f".tmp_{final.name}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    await trainer.save(tmp / "trainer")
+    (tmp / STATE).write_text(state.to_json())
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, root / LATEST)
+    kept = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in kept[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[Path, CheckpointState]:
+    """The newest complete checkpoint of ``run_dir``, or a ConfigError saying why there is none."""
+    root = checkpoint_root(run_dir)
+    pointer = root / LATEST
+    if not pointer.is_file():
+        raise ConfigError(
+            f"{run_dir} has no checkpoint to resume from (no {pointer}); the run must have been started with "
+            "trainer.checkpoint_every > 0 and have finished at least that many steps"
+        )
+    path = root / pointer.read_text().strip()
+    try:
+        state = CheckpointState.from_json((path / STATE).read_text())
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from exc
+    return path, state
