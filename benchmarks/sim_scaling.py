@@ -1,7 +1,8 @@
 """Simulated scaling: sync vs streaming vs delayed-update modes at 32-1,024 devices, on the virtual clock.
 
 Usage: python benchmarks/sim_scaling.py [--devices 32,128,512,1024] [--modes sync,stream,one_step,async2,async4]
-                                        [--steps 6] [--samples-per-device 64] [--json]
+                                        [--steps 5] [--samples-per-device 16]
+                                        [--max-new-tokens 8192] [--json]
 
 Every run is the real flow runtime and the real in-process store driving the
 ``sim`` engines (docs/simulation.md) on the virtual-clock loop.
@@ -19,11 +20,30 @@ Placement:
   and rollout replicas (one device each). The split balances the modelled
   per-step cost of each side (whole 8-device nodes for the trainer).
 
-``ideal``: rollout and training perfectly overlapped on the split —
-samples per step / max(rollout seconds, train seconds) per step, where the
-rollout seconds are the replicas' mean busy time per step and the train
-seconds the trainer's busy time per step, both measured in the ``one_step``
-run at that size. ``efficiency_vs_ideal`` = samples_per_s / ideal.
+``ideal``: rollout and training perfectly
+overlapped, so a step costs max(rollout seconds, train seconds) of *modelled
+work*, minimised over every trainer/rollout split in whole nodes. Rollout
+seconds are the step's prefill plus decode tokens per replica at the best
+throughput the latency model allows (the running batch at
+``max_running_seqs`` or the KV-cache limit, whichever is smaller, with no
+tail and no idle replica); train seconds are ``train_time`` of the step's
+tokens. No schedule beats it, so ``efficiency_vs_ideal`` = samples_per_s /
+ideal is at most 1; it is low wherever rollout is latency-bound (few
+samples per device, long tails) rather than throughput-bound.
+
+``samples_per_s`` is the steady rate: samples trained from the end of the
+first step to the end of the last over that time. The first step of a
+pipelined run fills the pipeline (nothing to train until a batch exists);
+a real run of hundreds of steps amortises that away, a 4-step simulation
+would not (``samples_per_s_with_fill`` keeps the whole-run figure).
+
+``overlap bound``: the ``stream`` run's rollout phase (everything but the
+trainer's busy time) and train phase overlapped perfectly — what a delayed
+update could reach if it hid the shorter phase and changed nothing else.
+``vs overlap`` near or above 1 means the runtime overlaps as well as the
+workload allows and the remaining gap to ``ideal`` is the rollout tail.
+
+``--max-new-tokens`` changes the response cap (the tail) for every mode.
 """
 
 from __future__ import annotations
@@ -57,38 +77,58 @@ def expected_response_tokens(lengths: ResponseLengths, cap: int) -> float:
     return sum(min(lengths.quantile((i + 0.5) / k), cap) for i in range(k)) / k
 
 
-def split(devices: int, samples: int) -> tuple[int, int]:
-    """(rollout devices, trainer devices): trainer in whole nodes, balancing modelled per-step seconds."""
+def _costs(samples: int, dr: int, dt: int, *, saturated: bool, max_new: int = MAX_NEW) -> tuple[float, float]:
+    """Modelled (rollout, train) seconds of one step of ``samples`` on ``dr`` replicas and ``dt`` trainer devices.
+
+    ``saturated``: decode at the largest batch the replica can run (the ideal);
+    otherwise at the batch one step's share of samples gives (k = 0).
+    """
     roll, lengths = RolloutLatency(), ResponseLengths()
-    resp = expected_response_tokens(lengths, MAX_NEW)
+    resp = expected_response_tokens(lengths, max_new)
+    per_replica = samples / dr
+    full = min(roll.max_running_seqs, int(roll.kv_capacity_tokens // (PROMPT_TOKENS + resp)))
+    batch = full if saturated else max(1, min(full, int(per_replica)))
+    rollout_s = per_replica * (resp / roll.decode_throughput(batch) + roll.prefill_time(PROMPT_TOKENS))
+    train_s = TrainLatency(devices=dt).train_time(int(samples * (PROMPT_TOKENS + resp)))
+    return rollout_s, train_s
+
+
+def best_split(devices: int, samples: int, *, saturated: bool, max_new: int = MAX_NEW) -> tuple[int, int, float]:
+    """(rollout devices, trainer devices, step seconds): trainer in whole nodes, minimising max(rollout, train)."""
     best = None
     for t_nodes in range(1, devices // 8):
         dt = 8 * t_nodes
-        dr = devices - dt
-        per_replica = samples / dr
-        batch = max(1, min(roll.max_running_seqs, int(per_replica)))
-        rollout_s = per_replica * resp / roll.decode_throughput(batch)
-        train_s = TrainLatency(devices=dt).train_time(int(samples * (PROMPT_TOKENS + resp)))
-        cost = max(rollout_s, train_s)
-        if best is None or cost < best[0]:
-            best = (cost, dr, dt)
+        cost = max(_costs(samples, devices - dt, dt, saturated=saturated, max_new=max_new))
+        if best is None or cost < best[2]:
+            best = (devices - dt, dt, cost)
     assert best is not None
-    return best[1], best[2]
+    return best
 
 
-def config(devices: int, mode: str, steps: int, samples_per_device: int) -> RunConfig:
+def split(devices: int, samples: int, max_new: int = MAX_NEW) -> tuple[int, int]:
+    """Placement of the task-separated modes: balance the modelled per-step cost at k = 0 batches."""
+    dr, dt, _ = best_split(devices, samples, saturated=False, max_new=max_new)
+    return dr, dt
+
+
+def ideal_samples_per_s(devices: int, samples: int, max_new: int = MAX_NEW) -> float:
+    """Samples per second with rollout and training perfectly overlapped on the best split (modelled work)."""
+    return samples / best_split(devices, samples, saturated=True, max_new=max_new)[2]
+
+
+def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW) -> RunConfig:
     async_mode, k = MODES[mode]
     samples = samples_per_device * devices
     prompts = samples // N
     if mode == "sync":
         replicas, trainer_devices = devices, devices
     else:
-        replicas, trainer_devices = split(devices, samples)
+        replicas, trainer_devices = split(devices, samples, max_new)
     data = {
         "name": f"sim-{devices}-{mode}",
         "data": {"name": "sim", "options": {"size": prompts * (steps + k + 2), "prompt_tokens": PROMPT_TOKENS},
                  "prompts_per_step": prompts, "shuffle": False},
-        "rollout": {"name": "sim", "replicas": replicas, "n": N, "max_new_tokens": MAX_NEW, "max_inflight": 256,
+        "rollout": {"name": "sim", "replicas": replicas, "n": N, "max_new_tokens": max_new, "max_inflight": 256,
                     "rows_per_lease": 256, "kv_cache": "keep"},
         "trainer": {"name": "sim", "options": {"latency": {"devices": trainer_devices}}, "total_steps": steps},
         "store": {"name": "inprocess", "options": {"capacity": max(65536, (k + 3) * samples)}},
@@ -103,8 +143,8 @@ def config(devices: int, mode: str, steps: int, samples_per_device: int) -> RunC
     return RunConfig.model_validate(data)
 
 
-def run_one(devices: int, mode: str, steps: int, samples_per_device: int) -> dict[str, Any]:
-    cfg = config(devices, mode, steps, samples_per_device)
+def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW) -> dict[str, Any]:
+    cfg = config(devices, mode, steps, samples_per_device, max_new)
     t0 = time.perf_counter()
     s = run_flow(resolve(cfg), virtual=True, write_png=False)
     wall = time.perf_counter() - t0
@@ -116,7 +156,8 @@ def run_one(devices: int, mode: str, steps: int, samples_per_device: int) -> dic
         "max_staleness": MODES[mode][1],
         "rollout_replicas": cfg.rollout.replicas,
         "trainer_devices": cfg.trainer.options["latency"]["devices"],
-        "samples_per_s": s["samples_per_s"],
+        "samples_per_s": s["steady_samples_per_s"],
+        "samples_per_s_with_fill": s["samples_per_s"],
         "sim_seconds": s["run_seconds"],
         "steps": s["steps"],
         "samples_trained": s["samples_trained"],
@@ -130,37 +171,59 @@ def run_one(devices: int, mode: str, steps: int, samples_per_device: int) -> dic
     }
 
 
+def _overlap_bound(stream: dict[str, Any] | None, samples_per_step: int) -> float | None:
+    """Samples/s if the ``stream`` run's rollout phase and train phase overlapped perfectly on the same split.
+
+    The ``stream`` run (k = 0) does them one after the other: its step is the
+    trainer's busy time plus everything else (rollout with its tail, reward,
+    weight sync). A delayed update can at best overlap the two, so this is
+    what ``one_step`` would reach if it hid the shorter phase completely and
+    the rollout's tail did not change; modes that also overlap tails across
+    steps (k >= 1 admitting more prompts) can exceed it.
+    """
+    if stream is None:
+        return None
+    step_s = samples_per_step / stream["samples_per_s"]
+    train_s = stream["train_busy_s_per_step"]
+    return samples_per_step / max(train_s, step_s - train_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", default="32,128,512,1024")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--samples-per-device", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--samples-per-device", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="response cap (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    if a.max_new_tokens < 1 or a.steps < 1 or a.samples_per_device < N:
+        p.error(f"need --max-new-tokens >= 1, --steps >= 1 and --samples-per-device >= {N} (one prompt of n = {N})")
     results: list[dict[str, Any]] = []
     for devices in [int(d) for d in a.devices.split(",") if d]:
         if devices < 16 or devices % 8:
             p.error(f"--devices {devices}: use multiples of 8, at least 16 (the trainer takes whole 8-device nodes)")
-        rows = [run_one(devices, m, a.steps, a.samples_per_device) for m in modes]
+        rows = [run_one(devices, m, a.steps, a.samples_per_device, a.max_new_tokens) for m in modes]
         by = {r["mode"]: r for r in rows}
-        ref = by.get("one_step") or run_one(devices, "one_step", a.steps, a.samples_per_device)
         samples_per_step = a.samples_per_device * devices
-        ideal = samples_per_step / max(ref["rollout_busy_s_per_step"], ref["train_busy_s_per_step"])
+        ideal = ideal_samples_per_s(devices, samples_per_step, a.max_new_tokens)
+        overlap = _overlap_bound(by.get("stream"), samples_per_step)
         base = by.get("sync")
         for r in rows:
             r["ideal_samples_per_s"] = ideal
             r["efficiency_vs_ideal"] = r["samples_per_s"] / ideal
+            r["overlap_bound_samples_per_s"] = overlap
+            r["vs_overlap_bound"] = r["samples_per_s"] / overlap if overlap else math.nan
             r["speedup_vs_sync"] = r["samples_per_s"] / base["samples_per_s"] if base else math.nan
         results.extend(rows)
         if not a.json:
             print(f"... {devices} devices done", file=sys.stderr)
     out = {"results": results, "steps": a.steps, "samples_per_device": a.samples_per_device, "n": N,
-           "max_new_tokens": MAX_NEW}
+           "max_new_tokens": a.max_new_tokens}
     if a.json:
         print(json.dumps(out))
     else:
@@ -169,15 +232,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(out: dict[str, Any]) -> None:
-    head = ("devices", "mode", "k", "roll/train dev", "samples/s", "vs sync", "vs ideal", "stale>k", "requeued",
-            "wall s")
+    head = ("devices", "mode", "k", "roll/train dev", "samples/s", "vs sync", "vs ideal", "vs overlap", "stale>k",
+            "requeued", "wall s")
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for r in out["results"]:
         print(" | ".join(str(x) for x in (
             r["devices"], r["mode"], r["max_staleness"], f'{r["rollout_replicas"]}/{r["trainer_devices"]}',
             f'{r["samples_per_s"]:.2f}', f'{r["speedup_vs_sync"]:.2f}x', f'{r["efficiency_vs_ideal"]:.2f}',
-            r["violations"], r["requeued"], f'{r["wall_s"]:.1f}')))
+            f'{r["vs_overlap_bound"]:.2f}', r["violations"], r["requeued"], f'{r["wall_s"]:.1f}')))
 
 
 if __name__ == "__main__":
