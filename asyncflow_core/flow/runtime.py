@@ -359,6 +359,19 @@ class FlowRuntime:
         return self.summary
 
 
+def _reward_extras(ctx: FlowContext, batch: Batch) -> dict[str, float]:
+    """Means over the step's rows of the extra values a reward returned (e.g. ``correct`` beside a shaped reward)."""
+    if not ctx.reward_extra or batch.row_ids is None:
+        return {}
+    sums: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for row in batch.row_ids.tolist():
+        for key, v in ctx.reward_extra.pop(int(row), {}).items():
+            sums[key] += v
+            counts[key] += 1
+    return {key: sums[key] / counts[key] for key in sorted(sums)}
+
+
 def _steady_rate(step_ends: list[tuple[float, int]]) -> float | None:
     """Samples/s from the end of the first step to the end of the last: throughput without the pipeline fill.
 
@@ -423,12 +436,14 @@ class _StepLogger:
         delta = {k: int(v - self._last_counters.get(k, 0)) for k, v in counters.items() if v != self._last_counters.get(k, 0)}
         self._last_counters = counters
         hist = Counter(lag.tolist())
+        extra = _reward_extras(ctx, batch)
         util = ctx.timeline.utilisation(self._last_end, now)
         record = {
             "step": version + 1,
             "time_s": now - ctx.timeline.t0,
             "step_seconds": width,
             "reward_mean": float(batch[C.REWARD].float().mean()),
+            **{f"reward/{k}": v for k, v in extra.items()},
             "samples": batch.num_rows,
             "tokens": tokens,
             "tokens_per_s": tokens / width if width > 0 else 0.0,

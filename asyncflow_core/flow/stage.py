@@ -59,6 +59,7 @@ class FlowContext:
     failed: dict[int, str] = field(default_factory=dict)  #: row id -> error of rows a stage failed on
     counters: Counter[str] = field(default_factory=Counter)
     processed: Counter[str] = field(default_factory=Counter)  #: rows processed per stage
+    reward_extra: dict[int, dict[str, float]] = field(default_factory=dict)  #: row id -> a reward's extra values
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     stop_reason: str | None = None
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)  #: version/published/ledger changes

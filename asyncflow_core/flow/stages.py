@@ -12,7 +12,7 @@ import heapq
 import inspect
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -580,10 +580,16 @@ class RewardStage(Stage):
                 value = self.reward.score(sample)
                 if inspect.isawaitable(value):
                     value = await asyncio.wait_for(value, self.timeout_s)
-                if isinstance(value, dict):
-                    for key, v in value.items():
-                        if key != "reward":
-                            self.extra[key] += float(v)
+                if isinstance(value, Mapping):
+                    if "reward" not in value:
+                        raise ValueError(f"the reward returned a mapping without a 'reward' key: {sorted(value)}")
+                    extra = {str(key): float(v) for key, v in value.items() if key != "reward"}
+                    self.extra.update(extra)
+                    if extra:
+                        if len(ctx.reward_extra) >= 1 << 18:  # rows dropped before training never collect theirs
+                            for old in sorted(ctx.reward_extra)[: 1 << 17]:
+                                del ctx.reward_extra[old]
+                        ctx.reward_extra[int(rows[i])] = extra
                     value = value["reward"]
                 out[i] = float(value)
             except asyncio.CancelledError:

@@ -30,6 +30,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "asyncflow_plugins.algorithms",
     "asyncflow_plugins.rewards",
     "asyncflow_plugins.datasets",
+    "asyncflow_plugins.arithmetic",
     "asyncflow_core.flow.launcher",
 )
 
