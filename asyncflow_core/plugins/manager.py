@@ -27,6 +27,7 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "asyncflow_plugins.transports",
     "asyncflow_plugins.toy",
     "asyncflow_plugins.sim",
+    "asyncflow_plugins.hf",
     "asyncflow_plugins.algorithms",
     "asyncflow_plugins.rewards",
     "asyncflow_plugins.datasets",

@@ -1,0 +1,78 @@
+"""Building a Hugging Face causal LM from the run's ``model`` section (shared by the ``torch`` engine and trainers).
+
+``model.path`` loads a local checkpoint directory (never a hub download);
+``model.hf_config`` builds the architecture it names (``model_type``, e.g.
+``qwen2`` or ``llama``) with random weights drawn from ``seed``, so a test or a
+toy run gets the same initial policy in every process that builds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow_core.config.models import ModelConfig
+from asyncflow_core.errors import ConfigError, EngineError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - transformers is a core dependency of these engines
+        raise ConfigError("Hugging Face models need transformers: pip install transformers") from exc
+    return transformers
+
+
+def hf_config(model: ModelConfig) -> Any:
+    """The ``transformers`` config object of ``model`` (read from the checkpoint or built from ``hf_config``)."""
+    tf = _transformers()
+    if model.path is not None:
+        path = Path(model.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path {model.path!r} is not a Hugging Face checkpoint directory (no config.json)")
+        return tf.AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code,
+                                             local_files_only=True)
+    if model.hf_config is None:
+        raise ConfigError("set model.path (a local checkpoint) or model.hf_config (an architecture to build)")
+    options = dict(model.hf_config)
+    model_type = options.pop("model_type", None)
+    if not model_type:
+        raise ConfigError("model.hf_config needs a model_type (e.g. qwen2 or llama)")
+    try:
+        return tf.AutoConfig.for_model(model_type, **options)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"model.hf_config: {exc}") from exc
+
+
+def build_causal_lm(model: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The policy as a ``transformers`` causal LM in ``model.dtype`` on ``device``, in eval mode.
+
+    Weights come from ``model.path``, or are drawn from ``seed`` for
+    ``model.hf_config`` (the same seed gives bit-identical weights).
+    """
+    tf = _transformers()
+    cfg = hf_config(model)
+    dtype = DTYPES[model.dtype]
+    try:
+        if model.path is not None:
+            net = tf.AutoModelForCausalLM.from_pretrained(
+                model.path, config=cfg, dtype=dtype, trust_remote_code=model.trust_remote_code, local_files_only=True
+            )
+        else:
+            fork = [torch.device(device).index] if torch.device(device).type == "cuda" else []
+            with torch.random.fork_rng(devices=fork):
+                torch.manual_seed(seed)
+                net = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            net = net.to(dtype)
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"could not build the model ({type(exc).__name__}: {exc})") from exc
+    return net.to(device).eval()
+
+
+def vocab_size(model: ModelConfig) -> int:
+    """Rows of the model's embedding (token ids must be below it)."""
+    return int(hf_config(model).vocab_size)

@@ -1,0 +1,694 @@
+"""``torch`` rollout engine: any Hugging Face causal LM, batched decoding with a KV cache, in plain PyTorch.
+
+The reference inference engine: no server, no custom kernels, one replica per
+engine object, on the CPU or one CUDA device. What it does, step by step:
+
+- **Continuous batching.** One scheduler task owns a running batch of at most
+  ``max_batch`` sequences. Every step decodes one token for each running
+  sequence; requests from any ``generate`` call join between steps (their
+  prompt is prefilled in the same step) and leave the moment they finish, so
+  a long completion never holds back the short ones.
+- **KV cache layout.** The cached keys/values of the running batch are
+  right-aligned: sequence ``i`` occupies the last ``len_i`` cache slots and
+  the slots before them are padding, hidden by the 2-D attention mask.
+  Position ids are passed per row (a row's token count), so rotary or
+  learned positions never see the padding. Joining pads the shorter side on
+  the left; leaving drops the row and then the all-padding leading columns.
+  The tensors live in a ``transformers`` ``DynamicCache`` for each forward.
+- **Log-prob convention** (the trainer's, see
+  :class:`~asyncflow_core.types.SamplingParams`): a token's log-prob is
+  taken from the distribution it was *sampled from* — logits in float32,
+  divided by the temperature, then top-k, then top-p truncation,
+  renormalised (:func:`asyncflow_plugins.toy.policy.sampling_logprobs`, the
+  one function the toy engines use, so the conventions cannot drift). A
+  full forward pass over prompt + completion, scored with that function,
+  reproduces the returned log-probs (float32: to ~1e-6).
+- **Versions.** Every token carries the ``version`` of the weights that
+  sampled it. ``update_weights`` swaps weights between two steps (the safe
+  point), so no token comes from a mix of versions.
+- **Weights** arrive as :class:`~asyncflow_core.types.WeightBucket` s whose
+  tensor names are the model's ``state_dict`` keys. All buckets are received
+  and checked (checksum, version, name, shape, dtype, full coverage) before
+  the first parameter is touched; then they are ``copy_``-ed in place.
+- **The event loop stays free.** Every forward pass (and the weight copy)
+  runs in a worker thread via :func:`asyncio.to_thread`; ``abort``,
+  ``pause`` and ``update_weights`` act at step boundaries.
+
+Options: :class:`TorchRolloutConfig`. Features: :data:`FEATURES`
+(sleep/wake is not offered). Written for decoder-only models whose cache is a
+plain key/value ``DynamicCache`` (Llama, Qwen2/3, Mistral, Gemma, GPT-2 ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncflow_core.config.models import ModelConfig
+from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
+from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
+from asyncflow_core.types.weights import dtype_name
+from asyncflow_plugins.toy.policy import sampling_logprobs
+
+FEATURES = RolloutFeatures(
+    supports_abort=True,
+    supports_resume_prefix=True,
+    supports_pause_keep=True,
+    supports_pause_abort=True,
+    supports_inflight_weight_update=True,
+    supports_sleep=False,
+    weight_transports=("inprocess",),
+)
+
+
+class TorchRolloutConfig(BaseModel):
+    """Options of the ``torch`` rollout engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig | None = Field(
+        None, description="The policy (path or hf_config, dtype); filled from the run's `model` section when unset."
+    )
+    device: str = Field(
+        "auto", pattern=r"^(cpu|auto|cuda(:\d+)?)$", description="cpu, cuda, cuda:N, or auto (cuda when available)."
+    )
+    seed: int = Field(0, description="Seed of the sampling generator (the runtime gives replica i seed + 7919 i).")
+    init_seed: int = Field(
+        0,
+        description="Seed of the random initial weights when the model is built from model.hf_config "
+        "(use the trainer's).",
+    )
+    max_batch: int = Field(64, ge=1, description="Most sequences decoded together; more requests wait for a free slot.")
+    eos_token_ids: list[int] | None = Field(
+        None,
+        description="Token ids that end every completion (finish reason stop); default: the model config's "
+        "eos_token_id; [] for none. Requests add their own stop_token_ids.",
+    )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Set torch's CPU intra-op threads at start (process-wide); unset leaves torch's default.",
+    )
+
+
+@dataclass(eq=False)
+class _Call:
+    """One ``generate`` call: where its results are delivered."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request's state. Tokens include a resumed prefix; the last token is not yet in the KV cache."""
+
+    request: GenerationRequest
+    call: _Call
+    stop: frozenset[int]
+    generator: torch.Generator | None
+    held: bool  #: submitted while pausing: not admitted before resume()
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    abort: bool = False  #: abort() asked for it
+    dropped: bool = False  #: its generate() iterator went away; nobody wants the result
+    done: bool = False
+
+
+@dataclass(eq=False)
+class _Batch:
+    """The running sequences and their right-aligned KV cache (rows in ``seqs`` order)."""
+
+    seqs: list[_Seq]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  #: per layer, [rows, kv_heads, slots, head_dim]
+    mask: torch.Tensor  #: [rows, slots] int64, 1 where a slot holds a real token
+    positions: torch.Tensor  #: [rows] int64, position id of each row's pending (last) token
+
+
+class TorchRolloutEngine(RolloutEngine):
+    """A Hugging Face causal LM behind the RolloutEngine contract (see the module docstring)."""
+
+    def __init__(self, config: TorchRolloutConfig) -> None:
+        if config.model is None:
+            raise ConfigError(
+                "the torch rollout engine needs a model: set the run's `model` section (path or hf_config) "
+                "or rollout.options.model"
+            )
+        self.config = config
+        self.model_config: ModelConfig = config.model
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"rollout device {device!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
+        self.device = torch.device(device)
+        self._net: torch.nn.Module | None = None
+        self._params: dict[str, torch.Tensor] = {}
+        self._vocab = 0
+        self._max_positions: int | None = None
+        self._eos: frozenset[int] = frozenset()
+        self._keep_logits_arg = False
+        self._version = 0
+        self._gen: torch.Generator | None = None
+        self._active: dict[str, _Seq] = {}
+        self._waiting: list[_Seq] = []
+        self._batch: _Batch | None = None
+        self._lock = asyncio.Lock()  # held for a decoding step or a weight swap: the safe point
+        self._work = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._holding = False  # pause() in progress or paused: new requests are held
+        self._paused = False  # no decoding step runs
+        self._scheduler: asyncio.Task | None = None
+        self._failure: EngineError | None = None
+        self._shut = False
+
+    # -- lifecycle ----------------------------------------------------------
+
+    @property
+    def features(self) -> RolloutFeatures:
+        return FEATURES
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        from asyncflow_plugins.hf.model import build_causal_lm
+
+        if self._net is not None:
+            return
+        if self.config.torch_threads is not None:
+            torch.set_num_threads(self.config.torch_threads)
+        try:
+            net = await asyncio.to_thread(
+                build_causal_lm, self.model_config, seed=self.config.init_seed, device=self.device
+            )
+        except (ConfigError, EngineError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - any loader failure is reported with its reason
+            raise EngineError(f"could not load the model ({type(exc).__name__}: {exc})") from exc
+        cfg = net.config
+        self._vocab = int(net.get_output_embeddings().weight.shape[0])
+        positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        self._max_positions = int(positions) if positions else None
+        self._eos = self._eos_ids(cfg)
+        self._keep_logits_arg = "logits_to_keep" in inspect.signature(net.forward).parameters
+        self._params = dict(net.state_dict(keep_vars=True))
+        self._gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self._net = net
+        self._scheduler = asyncio.get_running_loop().create_task(self._schedule(), name="torch-rollout-scheduler")
+
+    def _eos_ids(self, cfg: Any) -> frozenset[int]:
+        explicit = self.config.eos_token_ids
+        if explicit is not None:
+            bad = [t for t in explicit if not 0 <= t < self._vocab]
+            if bad:
+                raise ConfigError(f"eos_token_ids {bad} are outside the model's vocabulary [0, {self._vocab})")
+            return frozenset(explicit)
+        default = getattr(cfg, "eos_token_id", None)
+        ids = [default] if isinstance(default, int) else list(default or [])
+        # a config's default eos may lie outside a small test vocabulary: such a token can never be sampled
+        return frozenset(t for t in ids if 0 <= t < self._vocab)
+
+    def _check_started(self) -> torch.nn.Module:
+        if self._shut:
+            raise EngineError("the torch rollout engine was shut down")
+        if self._failure is not None:
+            raise self._failure
+        if self._net is None:
+            raise EngineError("call start() before using the torch rollout engine")
+        return self._net
+
+    async def health(self) -> Health:
+        if self._shut:
+            return Health(ok=False, detail="shut down")
+        if self._failure is not None:
+            return Health(ok=False, detail=str(self._failure))
+        if self._net is None:
+            return Health(ok=False, detail="not started")
+        return Health(ok=True, detail="paused" if self._paused else "", in_flight=len(self._active))
+
+    async def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True  # refuse new work; the scheduler runs on until the aborted requests are handed back
+        if self._net is not None:
+            await self.abort(None)
+            await self._wait_for(lambda: not self._active)
+        self._work.set()
+        if self._scheduler is not None:
+            await asyncio.gather(self._scheduler, return_exceptions=True)
+            self._scheduler = None
+        self._batch = None
+        self._net = None
+        self._params = {}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- generate -------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
+        self._check_started()
+        requests = list(requests)
+        ids = [r.request_id for r in requests]
+        dupes = {i for i in ids if ids.count(i) > 1} | (set(ids) & set(self._active))
+        if dupes:
+            raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
+        call = _Call()
+        mine: list[_Seq] = []
+        for r in requests:
+            seq = _Seq(
+                request=r,
+                call=call,
+                stop=self._eos | frozenset(r.sampling.stop_token_ids),
+                generator=None
+                if r.sampling.seed is None
+                else torch.Generator(device=self.device).manual_seed(r.sampling.seed),
+                held=self._holding,
+                tokens=list(r.prefix_token_ids),
+                logprobs=list(r.prefix_logprobs),
+                versions=list(r.prefix_versions),
+            )
+            problem = self._invalid(r)
+            if problem is not None:
+                seq.done = True
+                call.queue.put_nowait(_result(seq, FinishReason.ERROR, problem))
+                continue
+            self._active[r.request_id] = seq
+            mine.append(seq)
+            # a resumed prefix may already be complete
+            if seq.tokens and seq.tokens[-1] in seq.stop:
+                self._finish(seq, FinishReason.STOP)
+            elif len(seq.tokens) >= r.sampling.max_new_tokens:
+                self._finish(seq, FinishReason.LENGTH)
+            else:
+                self._waiting.append(seq)
+        self._work.set()
+        remaining = len(requests)
+        try:
+            while remaining:
+                item = await call.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= 1
+                yield item
+        finally:
+            # the consumer left early (or an error ends the stream): the scheduler drops these rows
+            for seq in mine:
+                if not seq.done:
+                    seq.dropped = True
+                    if self._active.get(seq.request.request_id) is seq:
+                        del self._active[seq.request.request_id]
+            self._work.set()
+
+    def _invalid(self, r: GenerationRequest) -> str | None:
+        """Why a request cannot be served (reported as its ERROR result), or None."""
+        bad = [t for t in (*r.prompt_token_ids, *r.prefix_token_ids) if not 0 <= t < self._vocab]
+        if bad:
+            return f"token ids outside the model's vocabulary [0, {self._vocab}): {bad[:5]}"
+        context = len(r.prompt_token_ids) + len(r.prefix_token_ids)
+        if self._max_positions is not None and context >= self._max_positions:
+            return (
+                f"prompt + prefix is {context} tokens; the model takes at most {self._max_positions} positions "
+                "(max_position_embeddings), leaving no room to generate"
+            )
+        return None
+
+    # -- abort / pause ----------------------------------------------------------
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> list[str]:
+        if request_ids is None:
+            targets = [rid for rid, s in self._active.items() if not s.abort]
+        else:
+            targets = [rid for rid in dict.fromkeys(request_ids) if rid in self._active and not self._active[rid].abort]
+        for rid in targets:
+            self._active[rid].abort = True
+        if targets:
+            self._work.set()
+        return targets
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        self._check_started()
+        try:
+            mode = PauseMode(mode)
+        except ValueError:
+            raise ValueError(f"unknown pause mode {mode!r}; use one of {[m.value for m in PauseMode]}") from None
+        self._holding = True
+        if mode is PauseMode.KEEP:
+            self._paused = True
+            async with self._lock:  # a step in progress finishes; none starts after it
+                pass
+            return
+        if mode is PauseMode.ABORT:
+            await self.abort([rid for rid, s in self._active.items() if not s.held])
+        await self._wait_for(lambda: all(s.held for s in self._active.values()))
+        self._paused = True
+
+    async def resume(self) -> None:
+        if not self._holding and not self._paused:
+            return
+        self._holding = False
+        self._paused = False
+        for seq in self._waiting:
+            seq.held = False
+        for seq in self._active.values():
+            seq.held = False
+        self._work.set()
+
+    async def sleep(self, level: int = 1) -> None:
+        raise UnsupportedFeatureError("the torch rollout engine does not release device memory (supports_sleep=False)")
+
+    async def wake_up(self) -> None:
+        raise UnsupportedFeatureError("the torch rollout engine does not release device memory (supports_sleep=False)")
+
+    async def _wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            if self._failure is not None or self._scheduler is None or self._scheduler.done():
+                return
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- weights ------------------------------------------------------------
+
+    async def update_weights(
+        self, version: int, buckets: AsyncIterable[WeightBucket], *, kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE
+    ) -> None:
+        self._check_started()
+        try:
+            kv_cache = KVCachePolicy(kv_cache)
+        except ValueError:
+            choices = [p.value for p in KVCachePolicy]
+            raise ValueError(f"unknown kv_cache policy {kv_cache!r}; use one of {choices}") from None
+        received = await self._receive(version, buckets)
+        # the swap runs to the end even if the caller is cancelled: weights and version never disagree
+        await asyncio.shield(asyncio.ensure_future(self._install(version, received, kv_cache)))
+
+    async def _receive(self, version: int, buckets: AsyncIterable[WeightBucket]) -> dict[str, torch.Tensor]:
+        """Every tensor of the update, checked against the model; nothing is applied here."""
+        received: dict[str, torch.Tensor] = {}
+        count = 0
+        async for bucket in buckets:
+            count += 1
+            bucket.verify()
+            if bucket.version != version:
+                raise WeightTransferError(
+                    f"bucket {bucket.index} belongs to version {bucket.version}, not to the update to version {version}"
+                )
+            for name, tensor in bucket.tensors():
+                target = self._params.get(name)
+                if target is None:
+                    example = next(iter(self._params), "")
+                    raise WeightTransferError(
+                        f"{name!r} is not a tensor of this model (names are state_dict keys, e.g. {example!r})"
+                    )
+                if name in received:
+                    raise WeightTransferError(f"{name!r} was sent twice in the update to version {version}")
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise WeightTransferError(
+                        f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
+                    )
+                if tensor.dtype != target.dtype:
+                    raise WeightTransferError(
+                        f"{name}: dtype {dtype_name(tensor.dtype)} does not match the model's "
+                        f"{dtype_name(target.dtype)} (export weights in model.dtype)"
+                    )
+                received[name] = tensor
+        if count == 0:
+            raise WeightTransferError(f"the update to version {version} carried no weight buckets")
+        # tied weights (one tensor under several names) are covered by any of their names
+        covered = {id(self._params[name]) for name in received}
+        missing = [name for name, t in self._params.items() if id(t) not in covered]
+        if missing:
+            raise WeightTransferError(
+                f"the update to version {version} left {len(missing)} of the model's tensors unset, e.g. {missing[:3]}"
+            )
+        return received
+
+    async def _install(self, version: int, received: dict[str, torch.Tensor], kv_cache: KVCachePolicy) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self._copy_weights, received)
+            self._version = version
+            if kv_cache is KVCachePolicy.RECOMPUTE and self._batch is not None:
+                # held sequences re-prefill their whole context with the new weights before the next token
+                self._waiting[:0] = self._batch.seqs
+                self._batch = None
+        self._work.set()
+
+    @torch.no_grad()
+    def _copy_weights(self, received: dict[str, torch.Tensor]) -> None:
+        for name, tensor in received.items():
+            self._params[name].copy_(tensor)
+
+    # -- the scheduler ---------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        """Reap aborted rows, admit waiting ones, decode one step; repeat while there is work."""
+        try:
+            while True:
+                if self._shut and not self._active:
+                    return
+                if not self._has_work():
+                    self._work.clear()
+                    self._notify()
+                    await self._work.wait()
+                    continue
+                async with self._lock:
+                    self._reap()
+                    admit = self._admissible()
+                    decode = self._batch is not None and not self._paused
+                    finished: list[tuple[_Seq, FinishReason]] = []
+                    if admit or decode:
+                        finished = await asyncio.to_thread(self._step, admit, decode, self._version)
+                for seq, reason in finished:
+                    self._finish(seq, reason)
+                self._notify()
+                await asyncio.sleep(0)  # let abort / pause / update_weights / new requests in
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - an engine-wide failure ends every stream with the reason
+            self._fail(exc)
+
+    def _has_work(self) -> bool:
+        if any(s.abort or s.dropped for s in self._waiting):
+            return True
+        if self._batch is not None and any(s.abort or s.dropped for s in self._batch.seqs):
+            return True
+        if self._paused:
+            return False
+        return self._batch is not None or any(not s.held for s in self._waiting)
+
+    def _admissible(self) -> list[_Seq]:
+        if self._paused:
+            return []
+        room = self.config.max_batch - (len(self._batch.seqs) if self._batch is not None else 0)
+        admit = [s for s in self._waiting if not s.held][: max(room, 0)]
+        if admit:
+            chosen = set(map(id, admit))
+            self._waiting = [s for s in self._waiting if id(s) not in chosen]
+        return admit
+
+    def _reap(self) -> None:
+        """Finish aborted sequences (partial results) and forget dropped ones."""
+        keep = []
+        for seq in self._waiting:
+            if seq.abort or seq.dropped:
+                self._finish(seq, FinishReason.ABORT)
+            else:
+                keep.append(seq)
+        self._waiting = keep
+        if self._batch is not None:
+            rows = [i for i, s in enumerate(self._batch.seqs) if not (s.abort or s.dropped)]
+            if len(rows) < len(self._batch.seqs):
+                for s in self._batch.seqs:
+                    if s.abort or s.dropped:
+                        self._finish(s, FinishReason.ABORT)
+                self._batch = _select(self._batch, rows)
+
+    def _finish(self, seq: _Seq, reason: FinishReason) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        rid = seq.request.request_id
+        if self._active.get(rid) is seq:
+            del self._active[rid]
+        if not seq.dropped:
+            seq.call.queue.put_nowait(_result(seq, reason))
+
+    def _fail(self, exc: BaseException) -> None:
+        if isinstance(exc, EngineError):
+            error = exc
+        else:
+            error = EngineError(f"the torch rollout engine failed during a decoding step ({type(exc).__name__}: {exc})")
+            error.__cause__ = exc
+        self._failure = error
+        calls = {id(s.call): s.call for s in (*self._active.values(), *self._waiting)}
+        for call in calls.values():
+            call.queue.put_nowait(error)
+        for seq in self._active.values():
+            seq.done = True
+        self._active.clear()
+        self._waiting = []
+        self._batch = None
+        self._notify()
+
+    # -- one step (worker thread) ---------------------------------------------
+
+    @torch.no_grad()
+    def _step(self, admit: list[_Seq], decode: bool, version: int) -> list[tuple[_Seq, FinishReason]]:
+        """Decode the running rows, prefill the admitted ones, sample one token for each; prune finished rows."""
+        parts: list[tuple[_Batch, torch.Tensor]] = []
+        if decode and self._batch is not None:
+            parts.append(self._decode(self._batch))
+        if admit:
+            parts.append(self._prefill(admit))
+        batch = parts[0][0] if len(parts) == 1 else _merge(parts[0][0], parts[1][0])
+        logits = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        tokens, logprobs = self._sample(batch.seqs, logits)
+        finished: list[tuple[_Seq, FinishReason]] = []
+        keep = []
+        for i, (seq, tok, lp) in enumerate(zip(batch.seqs, tokens, logprobs, strict=True)):
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            context = len(seq.request.prompt_token_ids) + len(seq.tokens)
+            if tok in seq.stop:
+                finished.append((seq, FinishReason.STOP))
+            elif len(seq.tokens) >= seq.request.sampling.max_new_tokens:
+                finished.append((seq, FinishReason.LENGTH))
+            elif self._max_positions is not None and context >= self._max_positions:
+                finished.append((seq, FinishReason.LENGTH))  # the model has no position left for the next token
+            else:
+                keep.append(i)
+        self._batch = _select(batch, keep) if keep else None
+        return finished
+
+    def _forward(
+        self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Last-position logits (float32) and the updated per-layer key/value tensors."""
+        assert self._net is not None
+        extra = {"logits_to_keep": 1} if self._keep_logits_arg else {}
+        out = self._net(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **extra
+        )
+        return out.logits[:, -1].float(), _cache_tensors(out.past_key_values)
+
+    def _decode(self, batch: _Batch) -> tuple[_Batch, torch.Tensor]:
+        from transformers import DynamicCache
+
+        rows = len(batch.seqs)
+        ids = torch.tensor([[s.tokens[-1]] for s in batch.seqs], dtype=torch.long, device=self.device)
+        mask = torch.cat([batch.mask, batch.mask.new_ones(rows, 1)], dim=1)
+        logits, kv = self._forward(ids, mask, batch.positions.unsqueeze(1), DynamicCache(batch.kv))
+        return _Batch(batch.seqs, kv, mask, batch.positions + 1), logits
+
+    def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, torch.Tensor]:
+        from transformers import DynamicCache
+
+        contexts = [(*s.request.prompt_token_ids, *s.tokens) for s in seqs]
+        width = max(map(len, contexts))
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, ctx in enumerate(contexts):  # left padding: every row ends in the last column
+            ids[i, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
+            mask[i, width - len(ctx) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits, kv = self._forward(ids, mask, positions, DynamicCache())
+        lengths = mask.sum(dim=1)
+        # the pending token of a prefilled row is the one sampled now, at position len(context)
+        return _Batch(list(seqs), kv, mask, lengths), logits
+
+    def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        """One token per row from its sampling distribution, and that token's log-prob under it."""
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        picked = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
+        groups: dict[tuple[float, float, int], list[int]] = {}
+        for i, s in enumerate(seqs):
+            sp = s.request.sampling
+            groups.setdefault((sp.temperature, sp.top_p, sp.top_k), []).append(i)
+        for (temperature, top_p, top_k), rows in groups.items():
+            index = torch.tensor(rows, device=logits.device)
+            logp = sampling_logprobs(logits[index], temperature, top_p, top_k)
+            probs = logp.exp()
+            shared = [j for j, r in enumerate(rows) if seqs[r].generator is None]
+            drawn = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            if shared:
+                sel = torch.tensor(shared, device=logits.device)
+                drawn[sel] = torch.multinomial(probs[sel], 1, generator=self._gen).squeeze(1)
+            for j, r in enumerate(rows):
+                if seqs[r].generator is not None:  # a request with its own seed draws from its own generator
+                    drawn[j] = torch.multinomial(probs[j], 1, generator=seqs[r].generator)[0]
+            tokens[index] = drawn
+            picked[index] = logp.gather(1, drawn.unsqueeze(1)).squeeze(1)
+        return tokens.tolist(), picked.tolist()
+
+
+def _result(seq: _Seq, reason: FinishReason, error: str | None = None) -> GenerationResult:
+    r = seq.request
+    return GenerationResult(
+        request_id=r.request_id,
+        prompt_token_ids=r.prompt_token_ids,
+        token_ids=tuple(seq.tokens),
+        logprobs=tuple(seq.logprobs),
+        versions=tuple(seq.versions),
+        finish_reason=reason,
+        error=error,
+        metadata=r.metadata,
+    )
+
+
+def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The per-layer key/value tensors of a ``DynamicCache`` (refusing cache types this engine cannot re-batch)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(getattr(layer, "keys", None) is None for layer in layers):
+        raise EngineError(
+            f"the model returned a {type(cache).__name__} without plain per-layer key/value tensors; the torch "
+            "engine supports decoder-only models with a standard DynamicCache"
+        )
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def _select(batch: _Batch, rows: list[int]) -> _Batch | None:
+    """Keep ``rows`` of the batch, then drop leading cache slots that no remaining row uses."""
+    if not rows:
+        return None
+    if len(rows) == len(batch.seqs):
+        return batch
+    index = torch.tensor(rows, device=batch.mask.device)
+    mask = batch.mask.index_select(0, index)
+    used = mask.any(dim=0).nonzero()
+    start = int(used[0]) if used.numel() else mask.shape[1]
+    kv = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in batch.kv]
+    return _Batch([batch.seqs[i] for i in rows], kv, mask[:, start:], batch.positions.index_select(0, index))
+
+
+def _merge(a: _Batch, b: _Batch) -> _Batch:
+    """Stack two batches, padding the one with fewer cache slots on the left (rows stay right-aligned)."""
+    width = max(a.mask.shape[1], b.mask.shape[1])
+
+    def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+        missing = width - t.shape[dim]
+        if not missing:
+            return t
+        shape = list(t.shape)
+        shape[dim] = missing
+        return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+    kv = [
+        (torch.cat([pad(ka, 2), pad(kb, 2)]), torch.cat([pad(va, 2), pad(vb, 2)]))
+        for (ka, va), (kb, vb) in zip(a.kv, b.kv, strict=True)
+    ]
+    return _Batch(
+        a.seqs + b.seqs, kv, torch.cat([pad(a.mask, 1), pad(b.mask, 1)]), torch.cat([a.positions, b.positions])
+    )
