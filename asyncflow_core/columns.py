@@ -16,3 +16,6 @@ ADVANTAGES = "advantages"  #: ragged float32: advantage per response token
 RETURNS = "returns"  #: ragged float32: value targets per response token (PPO)
 GROUP_ID = "group_id"  #: dense int64 [n]: prompt group a sample belongs to
 LOGPROBS = "logprobs"  #: ragged float32: output of TrainEngine.compute_logprobs
+FILTERED = "filtered"  #: dense bool [n]: an algorithm filters this sample out (dynamic sampling); its group is dropped
+TRUNCATED = "truncated"  #: dense bool [n]: generation stopped at max_new_tokens (finish reason ``length``)
+VALUE_PREDS = "value_preds"  #: ragged float32: value-head predictions with grad, put in micro-batches by the trainer

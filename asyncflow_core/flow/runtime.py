@@ -48,7 +48,7 @@ from asyncflow_core.types import Batch, SamplingParams
 log = logging.getLogger("asyncflow.flow")
 
 #: columns the built-in stages produce
-_PRODUCED = {C.PROMPT_IDS, C.GROUP_ID, C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.REWARD,
+_PRODUCED = {C.PROMPT_IDS, C.GROUP_ID, C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.TRUNCATED, C.REWARD,
              C.ADVANTAGES}
 
 

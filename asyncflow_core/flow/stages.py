@@ -46,7 +46,7 @@ from asyncflow_core.types import (
 
 log = logging.getLogger("asyncflow.flow")
 
-ROLLOUT_OUT = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS)
+ROLLOUT_OUT = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.TRUNCATED)
 
 #: why a marked row's group is dropped, most important first
 _REASON_RANK = {"failed": 0, "filtered": 1, "stale": 2}
@@ -433,8 +433,9 @@ class RolloutStage(Stage):
             return
         items, self._buffer = self._buffer, []
         rows = torch.tensor([q.row for q, _ in items], dtype=torch.int64)
-        ids, lps, vers, lengths, vrange = [], [], [], [], []
+        ids, lps, vers, lengths, vrange, cut = [], [], [], [], [], []
         for _, res in items:
+            cut.append(res is not None and res.finish_reason is FinishReason.LENGTH)
             if res is None:
                 ids.append(torch.empty(0, dtype=torch.int64))
                 lps.append(torch.empty(0, dtype=torch.float32))
@@ -454,6 +455,7 @@ class RolloutStage(Stage):
             C.RESPONSE_IDS: RaggedTensor.from_lengths(torch.cat(ids), lens),
             C.BEHAVIOR_LOGPROBS: RaggedTensor.from_lengths(torch.cat(lps), lens),
             C.RESPONSE_VERSIONS: RaggedTensor.from_lengths(torch.cat(vers), lens),
+            C.TRUNCATED: torch.tensor(cut, dtype=torch.bool),
         }
         await self.ctx.store.put(cols, rows=BatchMeta(row_ids=rows), versions=torch.tensor(vrange))
         self.ctx.processed[self.name] += len(items)
@@ -651,7 +653,14 @@ class AdvantageStage(Stage):
         out = self.placeholder(batch)
         if good.numel():
             sub = batch if good.numel() == batch.num_rows else batch.select(good)
-            adv = self.algorithm.compute_advantages(sub)[C.ADVANTAGES]
+            result = self.algorithm.compute_advantages(sub)
+            adv = result[C.ADVANTAGES]
+            if C.FILTERED in result.columns:
+                # dynamic sampling: the algorithm filters these samples out; the trainer drops their groups
+                rows = meta.row_ids[good][result[C.FILTERED].to(torch.bool).reshape(-1)]
+                for r in rows.tolist():
+                    ctx.failed.setdefault(int(r), f"filtered:{self.name}")
+                ctx.counters[f"filtered_{self.name}"] += int(rows.numel())
             if good.numel() == batch.num_rows:
                 out = {C.ADVANTAGES: adv}
             else:
@@ -733,6 +742,9 @@ class TrainStage(Stage):
             if self.colocated and self.rollout is not None:
                 with ctx.timeline.span(self.name, "sleep"):
                     await self.rollout.sleep_all()
+            if getattr(self.algorithm, "advantage_scope", "group") == "step":
+                # batch-normalised advantages (and PPO's returns) need the whole step's rows at once
+                train_batch = self.algorithm.compute_advantages(train_batch)
             with ctx.timeline.span(self.name, "train_step"):
                 metrics = await self.engine.train_step(train_batch, self.algorithm)
             for m in leases:

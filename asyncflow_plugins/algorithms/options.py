@@ -14,15 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncflow_core.interfaces import OffPolicyCorrection
 
-#: dense bool [n], written by ``compute_advantages`` when dynamic sampling is on: True for samples of a
-#: group whose rewards are all equal (no learning signal). The runtime drops their groups as ``filtered``.
-FILTERED = "filtered"
-#: dense bool [n]: the sample stopped at the generation budget (finish reason ``length``); read when
-#: ``truncation_signal="column"``.
-TRUNCATED = "truncated"
-#: ragged float: the value head's predictions *with grad*, which a value-head train engine adds to each
-#: micro-batch before calling ``loss`` (PPO's value loss). ``values`` holds the detached pre-step estimates.
-VALUE_PREDS = "value_preds"
+#: ``filtered`` (written by ``compute_advantages`` under dynamic sampling: the runtime drops those groups as
+#: ``filtered``), ``truncated`` (the rollout stage writes it from finish reason ``length``) and ``value_preds``
+#: (a value-head train engine's predictions with grad) are standard columns.
+from asyncflow_core.columns import FILTERED, TRUNCATED, VALUE_PREDS  # noqa: E402,F401
 
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
