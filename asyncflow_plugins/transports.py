@@ -1,4 +1,5 @@
-"""Built-in weight transports: ``inprocess`` (sender and receivers in one process, zero copy)."""
+"""Built-in weight transports: ``inprocess`` (sender and receivers in one process, zero copy), and the
+verified cross-process ``shm``, ``dist`` and ``disk`` of :mod:`asyncflow_plugins.weight_transports`."""
 
 from __future__ import annotations
 
@@ -110,3 +111,7 @@ def asyncflow_weight_transports():
         description="Trainer and rollout engines in one process: buckets staged in memory, read by reference.",
         features=TransportFeatures(cross_process=False, cross_host=False, devices=("cpu", "cuda")),
     )
+    # imported here: the package imports ``_check_whole_version`` from this module
+    from asyncflow_plugins.weight_transports import registrations
+
+    yield from registrations()

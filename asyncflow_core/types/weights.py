@@ -104,7 +104,7 @@ def buffer_checksum(buffer: torch.Tensor) -> str:
     data = buffer.detach().contiguous()
     if data.device.type != "cpu":
         data = data.cpu()
-    return hashlib.blake2b(data.numpy().tobytes(), digest_size=16).hexdigest()
+    return hashlib.blake2b(memoryview(data.numpy()), digest_size=16).hexdigest()
 
 
 def pack_buckets(

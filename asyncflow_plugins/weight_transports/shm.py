@@ -1,0 +1,371 @@
+"""``shm`` weight transport: a version staged in a shared-memory segment, copied out by local processes.
+
+Process model. One sender (the trainer) and any number of receivers on the
+same host open the transport with the same ``name``. They share nothing but
+files under ``directory`` (``/dev/shm``, i.e. RAM):
+
+- ``asyncflow-wt-<name>.json`` — the manifest of the newest version
+  (replaced atomically with ``os.replace``): tensor names, dtypes, shapes,
+  offsets, checksums, the version, and which segment holds it. JSON, never
+  pickle: a receiver executes nothing it reads.
+- ``asyncflow-wt-<name>-<pid>-<token>-<slot>`` — two segments (slots A and B)
+  the sender writes versions into, alternately: version v+1 goes to the slot
+  that does not hold v, so a receiver copying v is not clobbered by v+1.
+  Each segment starts with a 64-byte header (generation, state, version);
+  a receiver re-reads it after copying, and a copy that raced with a rewrite
+  (a receiver slower than two whole sends) is detected and retried.
+
+Receivers map the segment, copy the payload into their own buffer, check the
+generation, then verify every bucket's checksum before yielding any. The
+sender unlinks its segments and the manifest on ``close()`` (and, as a
+fallback, when the object is garbage collected or the process exits);
+segments left by a sender that was killed are removed by the next sender on
+the same directory (their pid, in the name, is dead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import os
+import re
+import struct
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterable, AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from asyncflow_core.errors import WeightTransferError
+from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport
+from asyncflow_core.types import WeightBucket
+from asyncflow_plugins.transports import _check_whole_version
+from asyncflow_plugins.weight_transports.config import ShmTransportConfig
+from asyncflow_plugins.weight_transports.manifest import (
+    VersionManifest,
+    buckets_from_payload,
+    copy_into,
+    manifest_for,
+    parse_manifest,
+    verify_all,
+)
+
+FEATURES = TransportFeatures(cross_process=True, cross_host=False, devices=("cpu",))
+PREFIX = "asyncflow-wt-"
+HEADER = struct.Struct("<4sQQQ")  # magic, generation, state, version
+HEADER_BYTES = 64
+MAGIC = b"AFWT"
+WRITING, READY = 0, 1
+
+_SEGMENT = re.compile(r"^asyncflow-wt-[A-Za-z0-9_.]{1,64}-(\d+)-[0-9a-f]{12}-[ab]\d+$")
+
+
+class ShmManifest(BaseModel):
+    """The manifest file: the weights' manifest plus where the sender staged them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    segment: str = Field(description="File name (in the transport's directory) of the segment holding the payload.")
+    generation: int = Field(ge=1, description="Write generation of the segment when this version was published.")
+    owner_pid: int = Field(description="Process id of the sender.")
+    owner_token: str = Field(description="Random id of the sender object (two senders on one name are refused).")
+    weights: VersionManifest = Field(description="Tensor layout and checksums of the version.")
+
+
+class _Segment:
+    """A sender-owned segment file, mapped read-write."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+        self.view = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.version: int | None = None
+
+    def set_header(self, generation: int, state: int, version: int) -> None:
+        HEADER.pack_into(self.map, 0, MAGIC, generation, state, version)
+
+    def close(self) -> None:
+        self.view = None  # drop the exported buffer before unmapping
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+
+
+class ShmWeightTransport(WeightTransport):
+    """Stages versions in two shared-memory segments; receivers in any local process copy and verify them."""
+
+    def __init__(self, config: ShmTransportConfig | None = None) -> None:
+        self.config = config or ShmTransportConfig()
+        directory = Path(self.config.directory)
+        self.dir = directory if directory.is_dir() else Path(tempfile.gettempdir())
+        self.name = self.config.name or f"private.{uuid.uuid4().hex[:12]}"
+        self.manifest_path = self.dir / f"{PREFIX}{self.name}.json"
+        self._token = uuid.uuid4().hex[:12]
+        self._slots: dict[str, _Segment] = {}
+        self._staged: ShmManifest | None = None
+        self._generation = 0
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._closed = False
+        # unlinks whatever this sender created if close() is never called (GC or interpreter exit)
+        self._owned: list[Path] = []
+        self._finalizer = weakref.finalize(self, _unlink_all, self._owned)
+
+    @property
+    def features(self) -> TransportFeatures:
+        return FEATURES
+
+    # ------------------------------------------------------------------ send
+
+    async def send(self, buckets: AsyncIterable[WeightBucket], *, deadline_s: float) -> TransferReport:
+        self._check_open()
+        start = time.perf_counter()
+        cancelled = threading.Event()
+        try:
+            async with asyncio.timeout(deadline_s):
+                received = [b async for b in buckets]
+                version = _check_whole_version(received)
+                self._check_newer(version)
+                # the copy runs on a thread that a timeout cannot stop: it checks ``cancelled`` before publishing
+                work = asyncio.ensure_future(asyncio.to_thread(self._stage, received, cancelled))
+                work.add_done_callback(lambda f: f.cancelled() or f.exception())
+                await asyncio.shield(work)
+        except TimeoutError:
+            cancelled.set()
+            raise WeightTransferError(
+                f"staging a weight version in shared memory did not finish within its {deadline_s:g}s deadline; "
+                "the previously staged version stays current"
+            ) from None
+        nbytes = sum(b.nbytes for b in received)
+        return TransferReport(version=version, buckets=len(received), bytes=nbytes, seconds=time.perf_counter() - start)
+
+    def _check_newer(self, version: int) -> None:
+        if self._staged is not None and version <= self._staged.weights.version:
+            raise WeightTransferError(
+                f"version {version} is not newer than the staged version {self._staged.weights.version}; "
+                "versions must increase"
+            )
+
+    def _stage(self, buckets: list[WeightBucket], cancelled: threading.Event) -> None:
+        with self._lock:  # one writer at a time, even when a timed-out send is still copying
+            if cancelled.is_set() or self._closed:
+                raise WeightTransferError("staging was cancelled (deadline passed or transport closed)")
+            weights = manifest_for(buckets)
+            self._check_newer(weights.version)
+            if not self._slots:
+                self._claim_name()
+            current = self._staged.segment if self._staged else None
+            holds_current = self._slots.get("a") is not None and self._slots["a"].path.name == current
+            slot = "b" if holds_current else "a"
+            segment = self._slots.get(slot)
+            needed = HEADER_BYTES + weights.total_bytes
+            if segment is None or segment.size < needed:
+                if segment is not None:
+                    segment.close()  # a receiver still copying from it keeps its mapping; the name goes away
+                self._counter += 1
+                path = self.dir / f"{PREFIX}{self.name}-{os.getpid()}-{self._token}-{slot}{self._counter}"
+                self._owned.append(path)
+                segment = self._slots[slot] = _Segment(path, needed)
+            self._generation += 1
+            generation = self._generation
+            segment.set_header(generation, WRITING, weights.version)
+            copy_into(segment.view[HEADER_BYTES : HEADER_BYTES + weights.total_bytes], weights, buckets)
+            segment.set_header(generation, READY, weights.version)
+            if cancelled.is_set():
+                raise WeightTransferError("staging was cancelled by its deadline")
+            manifest = ShmManifest(
+                segment=segment.path.name,
+                generation=generation,
+                owner_pid=os.getpid(),
+                owner_token=self._token,
+                weights=weights,
+            )
+            tmp = self.dir / f"{PREFIX}{self.name}.json.{self._token}.tmp"
+            if tmp not in self._owned:
+                self._owned.append(tmp)
+            tmp.write_text(manifest.model_dump_json())
+            os.replace(tmp, self.manifest_path)  # receivers see the old manifest or the new one, never half of one
+            if self.manifest_path not in self._owned:
+                self._owned.append(self.manifest_path)
+            self._staged = manifest
+
+    def _claim_name(self) -> None:
+        """First send: refuse a name another live sender uses; remove segments of dead senders."""
+        if self.manifest_path.exists():
+            try:
+                other = ShmManifest.model_validate_json(self.manifest_path.read_bytes())
+            except (ValueError, OSError):
+                other = None
+            if other is not None and other.owner_pid != os.getpid() and _pid_alive(other.owner_pid):
+                raise WeightTransferError(
+                    f"shm transport name {self.name!r} is in use by sender pid {other.owner_pid}; "
+                    "give each sender its own name"
+                )
+        for path in self.dir.glob(f"{PREFIX}*"):
+            match = _SEGMENT.match(path.name)
+            if match:
+                stale = not _pid_alive(int(match.group(1)))
+            elif path.suffix == ".json" and path != self.manifest_path:
+                try:
+                    stale = not _pid_alive(ShmManifest.model_validate_json(path.read_bytes()).owner_pid)
+                except (ValueError, OSError):
+                    stale = False  # not ours to judge
+            else:
+                stale = False
+            if stale:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    # --------------------------------------------------------------- receive
+
+    async def receive(self, *, min_version: int = 0, deadline_s: float) -> AsyncIterator[WeightBucket]:
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        newest: int | None = None
+        seen: tuple[int, int] | None = None
+        manifest: ShmManifest | None = None
+        while True:
+            remaining = end - loop.time()
+            if remaining <= 0:
+                raise WeightTransferError(
+                    f"no weight version >= {min_version} was staged in shared memory {self.name!r} within "
+                    f"{deadline_s:g}s (newest staged: {'none' if newest is None else newest})"
+                )
+            stat = _stat(self.manifest_path)
+            if stat is not None and stat != seen:
+                seen = stat
+                manifest = _read_manifest(self.manifest_path)
+                if manifest is not None:
+                    newest = manifest.weights.version
+            if manifest is not None and manifest.weights.version >= min_version:
+                try:
+                    async with asyncio.timeout(remaining):
+                        buckets = await asyncio.to_thread(self._copy_out, manifest)
+                except TimeoutError:
+                    raise WeightTransferError(
+                        f"copying version {manifest.weights.version} out of shared memory took longer than the "
+                        f"{deadline_s:g}s deadline"
+                    ) from None
+                if buckets is not None:
+                    break
+                seen = None  # the segment moved on under us: read the new manifest
+                await asyncio.sleep(min(self.config.poll_interval_s, max(end - loop.time(), 0)))
+                continue
+            await asyncio.sleep(min(self.config.poll_interval_s, max(remaining, 0)))
+        for bucket in buckets:
+            yield bucket
+
+    def _copy_out(self, manifest: ShmManifest) -> list[WeightBucket] | None:
+        """Copy and verify one version; ``None`` when the segment was rewritten or removed meanwhile (retry)."""
+        path = self.dir / manifest.segment
+        if "/" in manifest.segment or not manifest.segment.startswith(PREFIX):
+            raise WeightTransferError(f"the shm manifest names an unexpected segment {manifest.segment!r}")
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            needed = HEADER_BYTES + manifest.weights.total_bytes
+            if size < needed:
+                raise WeightTransferError(
+                    f"shared-memory segment {manifest.segment} holds {size} bytes, version "
+                    f"{manifest.weights.version} needs {needed}: a partial transfer"
+                )
+            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            if not self._header_matches(mapped, manifest):
+                return None
+            payload = torch.empty(manifest.weights.total_bytes, dtype=torch.uint8)
+            # a read-only mapping cannot back a tensor: copy through numpy, one memcpy, no intermediate bytes
+            source = np.frombuffer(mapped, dtype=np.uint8, count=manifest.weights.total_bytes, offset=HEADER_BYTES)
+            np.copyto(payload.numpy(), source)
+            del source  # release the export so the mapping can close
+            if not self._header_matches(mapped, manifest):
+                return None
+        finally:
+            mapped.close()
+        buckets = buckets_from_payload(manifest.weights, payload)
+        verify_all(buckets, where=f"read from shared memory {manifest.segment}")
+        return buckets
+
+    @staticmethod
+    def _header_matches(mapped: mmap.mmap, manifest: ShmManifest) -> bool:
+        magic, generation, state, version = HEADER.unpack_from(mapped, 0)
+        if magic != MAGIC:
+            raise WeightTransferError(f"shared-memory segment {manifest.segment} has no asyncflow header")
+        return generation == manifest.generation and state == READY and version == manifest.weights.version
+
+    # ----------------------------------------------------------------- close
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._close_sync)
+
+    def _close_sync(self) -> None:
+        with self._lock:
+            for segment in self._slots.values():
+                segment.close()
+            self._slots.clear()
+            # the manifest goes too, unless another sender has replaced it since
+            with contextlib.suppress(WeightTransferError):
+                current = _read_manifest(self.manifest_path)
+                if current is not None and current.owner_token != self._token:
+                    self._owned[:] = [p for p in self._owned if p != self.manifest_path]
+            self._finalizer()
+            self._staged = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WeightTransferError("the transport is closed")
+
+
+def _stat(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _read_manifest(path: Path) -> ShmManifest | None:
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return parse_manifest(text, ShmManifest, source=str(path))
