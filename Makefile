@@ -13,10 +13,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test venv clean
 
-$(STAMP): pyproject.toml spec/pyproject.toml Makefile
+$(STAMP): pyproject.toml spec/pyproject.toml adapters/fsdp/pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet -e ".[$(EXTRAS)]" -e ./spec
+	$(PIP) install --quiet -e ".[$(EXTRAS)]" -e ./spec -e ./adapters/fsdp
 	touch $@
 
 venv: $(STAMP)

@@ -158,7 +158,9 @@ class FlowRuntime:
         check_off_policy(k, algorithm)
         needs_old = C.OLD_LOGPROBS in algorithm.required_columns
         needs_ref = C.REF_LOGPROBS in algorithm.required_columns
+        needs_values = C.VALUES in algorithm.required_columns
         produced = set(_PRODUCED) | ({C.OLD_LOGPROBS} if needs_old else set()) | ({C.REF_LOGPROBS} if needs_ref else set())
+        produced |= {C.VALUES} if needs_values else set()
         missing = [c for c in algorithm.required_columns if c not in produced]
         if missing:
             raise ConfigError(f"algorithm {cfg.algorithm.name!r} needs columns no stage produces: {missing}")
@@ -191,6 +193,11 @@ class FlowRuntime:
         store = self._create("store", clock=clock, group_size=n)
         transport = self._create("weight_transport")
         trainer = self._create("trainer")
+        if needs_values and not trainer.features.supports_values:
+            raise ConfigError(
+                f"algorithm {cfg.algorithm.name!r} reads value estimates, but trainer {cfg.trainer.name!r} has no "
+                "value head; enable one in trainer.options (fsdp: value_head: true) or pick a critic-free algorithm"
+            )
         replicas = [self._create("rollout", **self._replica_options(i)) for i in range(cfg.rollout.replicas)]
         reward = self._create("reward")
         ref_engine = self._create("trainer") if needs_ref else None
@@ -232,8 +239,10 @@ class FlowRuntime:
         stages.extend(extra)
         if needs_ref:
             stages.append(LogprobStage("ref", C.REF_LOGPROBS, ref_engine, batch_size=cfg.pipeline.logprob_batch))
-        if needs_old:
-            stages.append(LogprobStage("old", C.OLD_LOGPROBS, trainer, batch_size=cfg.pipeline.logprob_batch))
+        if needs_old or needs_values:
+            # one forward pass gives the proximal log-probs and the value estimates before the step
+            stages.append(LogprobStage("old", C.OLD_LOGPROBS if needs_old else None, trainer,
+                                       batch_size=cfg.pipeline.logprob_batch, values=needs_values))
         adv_inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
         adv_inputs += [c for st in extra for c in st.produces]  # every added stage sees a sample first
         stages.append(AdvantageStage(algorithm, adv_inputs, n=n, groups_per_lease=1))

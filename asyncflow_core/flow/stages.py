@@ -611,15 +611,21 @@ class LogprobStage(Stage):
     span_name = "logprobs"
     consumes = (C.PROMPT_IDS, C.RESPONSE_IDS)
 
-    def __init__(self, name: str, column: str, engine: TrainEngine, *, batch_size: int) -> None:
+    def __init__(self, name: str, column: str | None, engine: TrainEngine, *, batch_size: int,
+                 values: bool = False) -> None:
         self.name = name
-        self.produces = (column,)
+        self.column = column
+        self.values = values
+        self.produces = tuple(c for c in (column, C.VALUES if values else None) if c)
         self.engine = engine
         self.batch_size = batch_size
 
     async def process(self, batch: Batch) -> StageOutput:
-        out = await self.engine.compute_logprobs(batch.project([C.PROMPT_IDS, C.RESPONSE_IDS]))
-        return StageOutput({self.produces[0]: out[C.LOGPROBS]})
+        out = await self.engine.compute_logprobs(batch.project([C.PROMPT_IDS, C.RESPONSE_IDS]), values=self.values)
+        cols = {self.column: out[C.LOGPROBS]} if self.column else {}
+        if self.values:
+            cols[C.VALUES] = out[C.VALUES]
+        return StageOutput(cols)
 
 
 # ---------------------------------------------------------------------------------------- advantage
