@@ -286,6 +286,20 @@ def test_kl_term_in_the_loss(estimator, kl, grad):
     assert values.grad.item() == pytest.approx(0.1 * grad, abs=1e-6)
 
 
+def test_entropy_bonus_by_hand():
+    # one row of two tokens, zero advantage: only the bonus is left. coef .1, token-mean over 2 tokens:
+    # loss = .1 * ((-1)(-1) + (-2)(-2)) / 2 = .25 ; d/dlogp = .1 * logp.detach() / 2 = [-.05, -.1]
+    # (descending it raises -logp of the sampled tokens, i.e. the entropy estimate) ; metric: mean(-logp) = 1.5
+    batch = loss_batch([0.0, 0.0], [-1.0, -2.0], rows=[[1, 2]])
+    algo = make("grpo", correction="none", entropy_coef=0.1)
+    values = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss, metrics = algo.loss(RaggedTensor(values, batch[C.RESPONSE_IDS].offsets), batch, ctx_for(batch))
+    assert loss.item() == pytest.approx(0.25, abs=1e-6)
+    assert metrics["entropy"] == pytest.approx(1.5)
+    loss.backward()
+    assert values.grad.tolist() == approx([-0.05, -0.1])
+
+
 def test_overlong_filter_masks_truncated_samples():
     # max length 2: row 0 (2 tokens) is truncated and masked; row 1 (1 token, A = 1, ratio 1) gives -1
     # token-mean still divides by the step's 3 tokens: -1/3 ; no gradient reaches the masked tokens

@@ -95,14 +95,19 @@ class FlowRuntime:
         await _restore_ledger(ctx, state)
         ctx.version = trainer.version
         step_log.tokens = state.tokens_trained
+        await self._push_weights(trainer, ctx, rollout, transport)
+        log.info("resumed from %s at version %d (%d prompts trained, %d dropped)", path, trainer.version,
+                 len(state.trained), len(state.dropped))
+
+    async def _push_weights(self, trainer: Any, ctx: FlowContext, rollout: RolloutStage, transport: Any) -> None:
+        """Stage the trainer's current weights and load them into every replica before anything is generated."""
         cfg = self.config
         report = await transport.send(trainer.export_weights(bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20))),
                                       deadline_s=cfg.weight_transport.deadline_s)
         ctx.published = report.version
         for r in rollout.replicas:
-            await rollout._update(r)
-        log.info("resumed from %s at version %d (%d prompts trained, %d dropped)", path, trainer.version,
-                 len(state.trained), len(state.dropped))
+            with ctx.timeline.span(r.lane, "update_weights"):
+                await rollout._update(r, min_version=report.version)
 
     def _inherited(self, section: str) -> dict[str, Any]:
         """Run-level settings an engine's options receive when they have the field and the user left it unset.
@@ -287,6 +292,10 @@ class FlowRuntime:
                 await st.setup()
             if resume_from is not None:
                 await self._restore(resume_from, trainer, ctx, step_log, rollout, transport)
+            elif cfg.model.path is not None or cfg.model.hf_config is not None:
+                # real models: every replica starts from the trainer's weights, whatever seeds each side was given
+                await self._push_weights(trainer, ctx, rollout, transport)
+            step_log.started()  # step 1's width starts now, not before the engines' start-up
             tasks.update({asyncio.ensure_future(st.run()): st for st in stages})
             stop_task = asyncio.ensure_future(ctx.stop.wait())
             tasks[stop_task] = None
@@ -430,6 +439,9 @@ class _StepLogger:
                                       TextColumn("{task.fields[info]}"), TimeElapsedColumn())
             self._progress.start()
             self._task = self._progress.add_task("steps", total=total, info="")
+
+    def started(self) -> None:
+        self._last_end = self.ctx.clock()
 
     async def on_step(self, version: int, t_begin: float, batch: Batch, metrics: dict[str, float], report: Any,
                       lag: torch.Tensor) -> None:

@@ -483,9 +483,11 @@ class RolloutStage(Stage):
             self._dispatch()
             self._poke()
 
-    async def _update(self, r: Replica) -> None:
+    async def _update(self, r: Replica, *, min_version: int | None = None) -> None:
+        """Pull the newest staged version (``min_version``: default the replica's next) into replica ``r``."""
         ctx = self.ctx
-        stream = self.transport.receive(min_version=r.engine.version + 1, deadline_s=self.deadline_s)
+        want = r.engine.version + 1 if min_version is None else min_version
+        stream = self.transport.receive(min_version=want, deadline_s=self.deadline_s)
         first = await stream.__anext__()
 
         async def chain() -> AsyncIterator[WeightBucket]:

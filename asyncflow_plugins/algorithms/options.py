@@ -57,6 +57,12 @@ class PolicyLossOptions(BaseModel):
         ge=0,
         description="Weight of the per-token KL to the reference policy in the loss (0: off; reads ref_logprobs).",
     )
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of an entropy bonus (0: off), estimated from the sampled tokens: the surrogate "
+        "logp.detach() * logp has the gradient of -entropy in expectation; keeps small policies exploring.",
+    )
     kl_estimator: KLEstimator = Field(
         "k3",
         description="Per-token KL estimator of the loss term: k1 = logp - ref, k2 = (logp - ref)^2 / 2, "

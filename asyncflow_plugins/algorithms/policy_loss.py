@@ -225,6 +225,11 @@ class PolicyGradientAlgorithm(Algorithm):
             kl = kl_estimate(logp, ref.detach(), cfg.kl_estimator) * maskf
             total = total + cfg.kl_coef * aggregate(kl, offsets, cfg.loss_agg, ctx, cfg.agg_norm)
             metrics["kl"] = _masked_mean(kl.detach(), mask)
+        if cfg.entropy_coef > 0:
+            # grad H = -E[grad log p(a) * log p(a)] over sampled a, so this surrogate descends -H
+            surrogate = logp.detach() * logp * maskf
+            total = total + cfg.entropy_coef * aggregate(surrogate, offsets, cfg.loss_agg, ctx, cfg.agg_norm)
+            metrics["entropy"] = _masked_mean(-logp.detach(), mask, empty=0.0)
         extra, extra_metrics = self._extra_loss(batch, mask, ctx)
         if extra is not None:
             total = total + extra
