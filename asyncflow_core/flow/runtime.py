@@ -246,8 +246,9 @@ class FlowRuntime:
             stages.append(LogprobStage("ref", C.REF_LOGPROBS, ref_engine, batch_size=cfg.pipeline.logprob_batch))
         if needs_old or needs_values:
             # one forward pass gives the proximal log-probs and the value estimates before the step
+            trainer_lock = asyncio.Lock()
             stages.append(LogprobStage("old", C.OLD_LOGPROBS if needs_old else None, trainer,
-                                       batch_size=cfg.pipeline.logprob_batch, values=needs_values))
+                                       batch_size=cfg.pipeline.logprob_batch, values=needs_values, lock=trainer_lock))
         adv_inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
         adv_inputs += [c for st in extra for c in st.produces]  # every added stage sees a sample first
         stages.append(AdvantageStage(algorithm, adv_inputs, n=n, groups_per_lease=1))
@@ -271,6 +272,8 @@ class FlowRuntime:
             train.checkpoint = checkpoint
             train.checkpoint_every = cfg.trainer.checkpoint_every
         train.sampler = cfg.sampler.name
+        if needs_old or needs_values:
+            train.engine_lock = trainer_lock
         stages.append(train)
 
         wall0 = time.perf_counter()

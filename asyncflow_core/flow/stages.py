@@ -614,7 +614,8 @@ class LogprobStage(Stage):
     consumes = (C.PROMPT_IDS, C.RESPONSE_IDS)
 
     def __init__(self, name: str, column: str | None, engine: TrainEngine, *, batch_size: int,
-                 values: bool = False) -> None:
+                 values: bool = False, lock: asyncio.Lock | None = None) -> None:
+        self.lock = lock or asyncio.Lock()  #: shared with the train stage when ``engine`` is the trainer
         self.name = name
         self.column = column
         self.values = values
@@ -623,7 +624,9 @@ class LogprobStage(Stage):
         self.batch_size = batch_size
 
     async def process(self, batch: Batch) -> StageOutput:
-        out = await self.engine.compute_logprobs(batch.project([C.PROMPT_IDS, C.RESPONSE_IDS]), values=self.values)
+        async with self.lock:  # a TrainEngine runs one call at a time
+            out = await self.engine.compute_logprobs(batch.project([C.PROMPT_IDS, C.RESPONSE_IDS]),
+                                                     values=self.values)
         cols = {self.column: out[C.LOGPROBS]} if self.column else {}
         if self.values:
             cols[C.VALUES] = out[C.VALUES]
@@ -705,6 +708,7 @@ class TrainStage(Stage):
         self.colocated = colocated
         self.on_step = on_step
         self.checkpoint: Any = None  #: async callable(version) saving a resumable checkpoint, or None
+        self.engine_lock = asyncio.Lock()  #: held for every trainer call (shared with the `old` log-prob stage)
         self.checkpoint_every = 0
         self.staleness_hist: Counter[int] = Counter()
 
@@ -754,14 +758,16 @@ class TrainStage(Stage):
                 # batch-normalised advantages (and PPO's returns) need the whole step's rows at once
                 train_batch = self.algorithm.compute_advantages(train_batch)
             with ctx.timeline.span(self.name, "train_step"):
-                metrics = await self.engine.train_step(train_batch, self.algorithm)
+                async with self.engine_lock:
+                    metrics = await self.engine.train_step(train_batch, self.algorithm)
             for m in leases:
                 await ctx.store.ack(m)
             for g in torch.unique(train_batch[C.GROUP_ID]).tolist():
                 ctx.ledger.mark_trained(int(g))
             with ctx.timeline.span(self.name, "send_weights"):
-                report = await self.transport.send(self.engine.export_weights(bucket_bytes=self.bucket_bytes),
-                                                   deadline_s=self.deadline_s)
+                async with self.engine_lock:
+                    report = await self.transport.send(self.engine.export_weights(bucket_bytes=self.bucket_bytes),
+                                                       deadline_s=self.deadline_s)
             ctx.version = self.engine.version
             ctx.published = report.version
             if self.colocated and self.rollout is not None:
@@ -772,7 +778,8 @@ class TrainStage(Stage):
             if self.checkpoint is not None and (self.engine.version % self.checkpoint_every == 0
                                                 or self.engine.version >= self.total_steps):
                 with ctx.timeline.span(self.name, "checkpoint"):
-                    await self.checkpoint(self.engine.version)
+                    async with self.engine_lock:
+                        await self.checkpoint(self.engine.version)
         if self.engine.version >= self.total_steps:
             ctx.halt("done")
 
