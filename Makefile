@@ -1,5 +1,5 @@
 # Two commands for a fresh machine:  `make demo`  and  `make test`.
-# `make demo` trains the toy model and simulates a 7B run; see runs/*/timeline.png.
+# `make demo` trains a tiny model on arithmetic with GRPO and simulates a 7B run; see runs/*/.
 # Both create the virtual environment themselves. torch is installed first and
 # pinned, so that on a CPU-only machine pip takes the local CPU wheel instead of
 # resolving a multi-GB CUDA build; override TORCH on a GPU machine if you like.
@@ -22,9 +22,7 @@ $(STAMP): pyproject.toml spec/pyproject.toml adapters/fsdp/pyproject.toml Makefi
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/asyncflow plugins
-	$(VENV)/bin/asyncflow config validate examples/toy_grpo.yaml
-	$(VENV)/bin/asyncflow run examples/toy_grpo.yaml --run-dir runs/toy-grpo --no-progress
+	$(VENV)/bin/asyncflow run examples/arithmetic_grpo.yaml --run-dir runs/arithmetic-grpo
 	$(VENV)/bin/asyncflow sim examples/sim_7b.yaml trainer.total_steps=3 --run-dir runs/sim-7b --no-progress
 
 test: $(STAMP)
