@@ -196,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples-per-device", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="response cap (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--jsonl", type=Path, default=None,
+                   help="also append each device count's rows to this file as they finish (long sweeps)")
     a = p.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES]
@@ -220,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             r["vs_overlap_bound"] = r["samples_per_s"] / overlap if overlap else math.nan
             r["speedup_vs_sync"] = r["samples_per_s"] / base["samples_per_s"] if base else math.nan
         results.extend(rows)
+        if a.jsonl is not None:
+            with a.jsonl.open("a") as fh:
+                for r in rows:
+                    fh.write(json.dumps(r) + "\n")
         if not a.json:
             print(f"... {devices} devices done", file=sys.stderr)
     out = {"results": results, "steps": a.steps, "samples_per_device": a.samples_per_device, "n": N,
