@@ -170,6 +170,12 @@ def resolve(config: RunConfig, pm: AsyncflowPluginManager | None = None) -> Reso
             problems.append(f"{where}.name: {exc}" if isinstance(exc, PluginError) else str(exc))
             continue
         components[where] = ResolvedComponent(where, registered, options)
+    algorithm = components.get("algorithm")
+    group_size = getattr(algorithm.options, "group_size", None) if algorithm is not None else None
+    if isinstance(group_size, int) and group_size != config.rollout.n:
+        # each prompt yields rollout.n samples: any other group size fails every group mid-run
+        problems.append(f"algorithm.options.group_size={group_size} contradicts rollout.n={config.rollout.n} "
+                        f"(samples per prompt); set group_size to {config.rollout.n} or leave it unset")
     if problems:
         raise ConfigError("; ".join(problems))
     return ResolvedConfig(config, components, unchecked)

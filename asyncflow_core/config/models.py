@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StrictModel(BaseModel):
@@ -44,6 +44,15 @@ class ModelConfig(StrictModel):
         "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz.,?",
         description="Without `path`: a character tokenizer, token i = alphabet[i] (toy and simulated models).",
     )
+
+    @field_validator("alphabet")
+    @classmethod
+    def _distinct(cls, value: str) -> str:
+        twice = sorted({c for c in value if value.count(c) > 1})
+        if not value or twice:
+            what = f"repeats {''.join(twice)!r}" if twice else "is empty"
+            raise ValueError(f"model.alphabet {what}; give each character once (token i = alphabet[i])")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

@@ -227,6 +227,7 @@ class FlowRuntime:
             RewardStage(reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s),
         ]
         stages[2].batch_size = cfg.pipeline.reward_batch
+        stages[2].reward_name = cfg.reward.name
         if "reward" in cfg.pipeline.replace:
             stages[2] = self._plugin_stage("pipeline.replace.reward")
             if C.REWARD not in stages[2].produces:

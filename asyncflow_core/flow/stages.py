@@ -11,6 +11,8 @@ import asyncio
 import heapq
 import inspect
 import logging
+import math
+import numbers
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from asyncflow_core import columns as C
+from asyncflow_core.errors import AsyncflowError, ConfigError, EngineError
 from asyncflow_core.flow import staleness as S
 from asyncflow_core.flow.stage import RunStopped, Stage, StageOutput
 from asyncflow_core.flow.tokenizer import Tokenizer
@@ -92,7 +95,10 @@ class PromptFeeder(Stage):
         ids = self._token_cache.get(index)
         if ids is None:
             rec = self.dataset[index]
-            ids = tuple(rec.prompt_token_ids) or tuple(self.tokenizer.encode(rec.prompt))
+            try:
+                ids = tuple(rec.prompt_token_ids) or tuple(self.tokenizer.encode(rec.prompt))
+            except ConfigError as exc:
+                raise ConfigError(f"dataset record {index}: {exc}") from None
             if not ids:
                 raise RunStopped(f"dataset record {index} has an empty prompt; remove it or give it text")
             self._token_cache[index] = ids
@@ -224,6 +230,7 @@ class RolloutStage(Stage):
         self._wake = asyncio.Event()  # dispatcher wake-up: slots freed, weights updated, version moved
         self._alive = len(self.replicas)
         self._inflight_total = 0
+        self._last_death: str | None = None  #: the error of the replica that died last, for the stop message
 
     def _poke(self) -> None:
         self._wake.set()
@@ -279,7 +286,8 @@ class RolloutStage(Stage):
             while not ctx.stop.is_set():
                 await self._wait_until(lambda: self._worth_leasing() or self._all_dead())
                 if self._all_dead():
-                    ctx.halt("every rollout replica died; see the log for their errors")
+                    ctx.halt(f"every rollout replica died (last: {self._last_death}); see the log for each "
+                             "replica's error")
                     return
                 if ctx.stop.is_set():
                     return
@@ -339,19 +347,39 @@ class RolloutStage(Stage):
         )
 
     async def _drive(self, r: Replica, reqs: list[_Req]) -> None:
+        waiting = {q.request_id: q for q in reqs}
+        unknown: list[str] = []
         try:
             async for res in r.engine.generate([self._request(q) for q in reqs]):
+                if waiting.pop(res.request_id, None) is None:
+                    unknown.append(res.request_id)
                 await self._on_result(r, res)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a dying engine must not take the run down
             await self._replica_died(r, exc)
+            return
+        # the contract is one result per request: a request left without one would wait forever (a hang)
+        orphans = [q for q in waiting.values() if r.inflight.get(q.request_id) is q]
+        if orphans and not self.ctx.stop.is_set():
+            why = (f"rollout engine {type(r.engine).__name__} (replica {r.index}) ended generate() without a result "
+                   f"for this request" + (f"; it returned unknown request ids {unknown[:5]}" if unknown else "")
+                   + ". Every request must yield exactly one result with its own request_id")
+            for q in orphans:
+                del r.inflight[q.request_id]
+                self._inflight_total -= 1
+                self.ctx.fail_rows(self.name, [q.row], why)
+                await self._write(q, None)
+            self._mark_busy(r)
+            self._dispatch()
+            self._poke()
 
     async def _replica_died(self, r: Replica, exc: BaseException) -> None:
         if r.dead:
             return
         r.dead = True
         self._alive -= 1
+        self._last_death = f"replica {r.index}: {type(exc).__name__}: {exc}"
         orphans = list(r.inflight.values())
         self._inflight_total -= len(orphans)
         r.inflight.clear()
@@ -561,6 +589,7 @@ class RewardStage(Stage):
         self.timeout_s = timeout_s
         self.needs_text = bool(getattr(reward, "needs_text", True))
         self.extra: Counter[str] = Counter()
+        self.reward_name: str | None = None  #: the plugin's registered name, for error messages (set by the runtime)
 
     async def process(self, batch: Batch) -> StageOutput:
         ctx = self.ctx
@@ -586,8 +615,10 @@ class RewardStage(Stage):
                     value = await asyncio.wait_for(value, self.timeout_s)
                 if isinstance(value, Mapping):
                     if "reward" not in value:
-                        raise ValueError(f"the reward returned a mapping without a 'reward' key: {sorted(value)}")
-                    extra = {str(key): float(v) for key, v in value.items() if key != "reward"}
+                        raise ValueError(f"reward {self._label()} returned a mapping without a 'reward' key "
+                                         f"(keys: {sorted(map(str, value))}); return {{'reward': <number>, ...}}")
+                    extra = {str(key): self._number(v, f"extra value {key!r}") for key, v in value.items()
+                             if key != "reward"}
                     self.extra.update(extra)
                     if extra:
                         if len(ctx.reward_extra) >= 1 << 18:  # rows dropped before training never collect theirs
@@ -595,13 +626,26 @@ class RewardStage(Stage):
                                 del ctx.reward_extra[old]
                         ctx.reward_extra[int(rows[i])] = extra
                     value = value["reward"]
-                out[i] = float(value)
+                out[i] = self._number(value, "value")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - one sample's failure is recorded, the run goes on
-                why = f"timed out after {self.timeout_s}s" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+                why = (f"timed out after {self.timeout_s}s" if isinstance(exc, asyncio.TimeoutError)
+                       else f"{type(exc).__name__}: {exc}")
                 ctx.fail_rows(self.name, [rows[i]], why)
         return StageOutput({C.REWARD: out})
+
+    def _label(self) -> str:
+        return repr(self.reward_name) if self.reward_name else type(self.reward).__name__
+
+    def _number(self, value: Any, what: str) -> float:
+        """``value`` as a float; anything but a finite real number fails the sample (a NaN would poison training)."""
+        if isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+            number = float(value)
+            if math.isfinite(number):
+                return number
+        raise ValueError(f"reward {self._label()} returned {what} {value!r}, not a finite number; "
+                         "a reward must return a float (or a mapping with a float 'reward')")
 
 
 # ---------------------------------------------------------------------------------------- log-probs
@@ -759,7 +803,16 @@ class TrainStage(Stage):
                 train_batch = self.algorithm.compute_advantages(train_batch)
             with ctx.timeline.span(self.name, "train_step"):
                 async with self.engine_lock:
-                    metrics = await self.engine.train_step(train_batch, self.algorithm)
+                    try:
+                        metrics = await self.engine.train_step(train_batch, self.algorithm)
+                    except AsyncflowError:
+                        raise
+                    except Exception as exc:  # one line for the CLI, the original kept as the cause
+                        raise EngineError(
+                            f"train engine {type(self.engine).__name__} failed on step {v} "
+                            f"({train_batch.num_rows} samples): {type(exc).__name__}: {exc}. Check that the rollout "
+                            "and train engines share a vocabulary and model, and what the engine's error names"
+                        ) from exc
             for m in leases:
                 await ctx.store.ack(m)
             for g in torch.unique(train_batch[C.GROUP_ID]).tolist():

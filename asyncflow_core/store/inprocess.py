@@ -219,7 +219,9 @@ class InProcessStore(StreamStore):
         if not cols:
             raise InvalidRequestError("put of new rows needs at least one column (the columns say how many rows)")
         first = next(iter(cols.values()))
-        n = len(first) if isinstance(first, RaggedTensor) else (int(first.shape[0]) if first.dim() else 0)
+        # not a tensor: 0 rows here, and storage.validate names the column and its type
+        n = len(first) if isinstance(first, RaggedTensor) else (
+            int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 0)
 
         def attempt() -> BatchMeta | None:
             self.storage.validate(n, cols)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StoreOptions(BaseModel):
@@ -26,6 +26,16 @@ class StoreOptions(BaseModel):
     max_candidates: int = Field(
         65536, ge=0, description="Most eligible rows (the oldest) a sampler sees per get_meta, at least 4x the batch; 0: all."
     )
+
+    @field_validator("sampler")
+    @classmethod
+    def _known_sampler(cls, value: str) -> str:
+        from asyncflow_core.plugins import get_plugin_manager  # late: the options import without the plugins
+
+        known = get_plugin_manager().registrations("sampler")
+        if known and value not in known:  # no sampler plugin at all: nothing to check against
+            raise ValueError(f"no sampler named {value!r}; available: {', '.join(sorted(known))}")
+        return value
 
     def controller(self):
         """A Controller built from these options."""

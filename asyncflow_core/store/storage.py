@@ -128,7 +128,10 @@ class StorageUnit:
         for name, col in columns.items():
             if not isinstance(name, str) or not name:
                 raise ColumnTypeError(f"column names must be non-empty strings, got {name!r}")
-            got = _schema_of(col)
+            try:
+                got = _schema_of(col)
+            except ColumnTypeError as exc:
+                raise ColumnTypeError(f"column {name!r}: {exc}") from None
             if _rows(col) != num_rows:
                 raise ColumnTypeError(
                     f"column {name!r} holds {_rows(col)} rows but {num_rows} rows are being written; "
@@ -188,7 +191,8 @@ class StorageUnit:
         ok[inside] = self._known[pos[inside]]
         if not bool(ok.all()):
             bad = ids[~ok][:8].tolist()
-            raise UnknownRowError(f"rows {bad} hold no data in this storage unit (never written, or freed)")
+            raise UnknownRowError(f"rows {bad} hold no data in this storage unit (never written, or freed); "
+                                  "use the row_ids of a meta that put() or get_meta() returned")
         return pos
 
     # ------------------------------------------------------------------ write, read

@@ -98,7 +98,8 @@ class ToyRolloutEngine(RolloutEngine):
         for r in requests:
             bad = [t for t in (*r.prompt_token_ids, *r.prefix_token_ids) if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"request {r.request_id!r} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+                raise ValueError(f"request {r.request_id!r} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}; "
+                                 "raise vocab_size in rollout.options and trainer.options, or keep prompt tokens below it")
         await self._accepting.wait()
         mine = []
         for r in requests:
