@@ -1,7 +1,7 @@
 """Simulated scaling: sync vs streaming vs delayed-update modes at 32-1,024 devices, on the virtual clock.
 
 Usage: python benchmarks/sim_scaling.py [--devices 32,128,512,1024] [--modes sync,stream,one_step,async2,async4]
-                                        [--steps 5] [--samples-per-device 16]
+                                        [--steps 4] [--samples-per-device 16]
                                         [--max-new-tokens 8192] [--json]
 
 Every run is the real flow runtime and the real in-process store driving the
@@ -31,11 +31,12 @@ tokens. No schedule beats it, so ``efficiency_vs_ideal`` = samples_per_s /
 ideal is at most 1; it is low wherever rollout is latency-bound (few
 samples per device, long tails) rather than throughput-bound.
 
-``samples_per_s`` is the steady rate: samples trained from the end of the
-first step to the end of the last over that time. The first step of a
-pipelined run fills the pipeline (nothing to train until a batch exists);
-a real run of hundreds of steps amortises that away, a 4-step simulation
-would not (``samples_per_s_with_fill`` keeps the whole-run figure).
+``samples_per_s`` is the steady rate: samples trained per second over the
+``--steps`` steps that follow a warm-up of k + 1 steps. With bound k the
+feeder admits (k + 1) batches at the start, so the first k + 1 steps either
+wait for the pipeline to fill or drain what the fill pre-generated; only
+after them does each step admit exactly one new batch, as in a long run.
+``samples_per_s_with_fill`` is the whole-run figure.
 
 ``overlap bound``: the ``stream`` run's rollout phase (everything but the
 trainer's busy time) and train phase overlapped perfectly — what a delayed
@@ -143,8 +144,23 @@ def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new
     return RunConfig.model_validate(data)
 
 
+def warmup_steps(mode: str) -> int:
+    """Steps before a mode's pipeline is in steady state: the first k + 1 batches were all admitted at the start."""
+    return MODES[mode][1] + 1
+
+
+def measured_rate(step_end_s: list[float], warm: int, samples_per_step: int) -> float:
+    """Samples/s over the steps after the first ``warm`` ones (each step trains ``samples_per_step``)."""
+    measured = len(step_end_s) - warm
+    if measured < 1:
+        raise ValueError(f"need more than {warm} steps to measure after the warm-up, got {len(step_end_s)}")
+    return measured * samples_per_step / (step_end_s[-1] - step_end_s[warm - 1])
+
+
 def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW) -> dict[str, Any]:
-    cfg = config(devices, mode, steps, samples_per_device, max_new)
+    """One mode at one size: ``steps`` measured steps after the mode's warm-up steps."""
+    warm = warmup_steps(mode)
+    cfg = config(devices, mode, warm + steps, samples_per_device, max_new)
     t0 = time.perf_counter()
     s = run_flow(resolve(cfg), virtual=True, write_png=False)
     wall = time.perf_counter() - t0
@@ -156,7 +172,8 @@ def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_ne
         "max_staleness": MODES[mode][1],
         "rollout_replicas": cfg.rollout.replicas,
         "trainer_devices": cfg.trainer.options["latency"]["devices"],
-        "samples_per_s": s["steady_samples_per_s"],
+        "samples_per_s": measured_rate(s["step_end_s"], warm, samples_per_device * devices),
+        "warmup_steps": warm,
         "samples_per_s_with_fill": s["samples_per_s"],
         "sim_seconds": s["run_seconds"],
         "steps": s["steps"],
@@ -192,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", default="32,128,512,1024")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=4, help="measured steps after the warm-up (default: %(default)s)")
     p.add_argument("--samples-per-device", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="response cap (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

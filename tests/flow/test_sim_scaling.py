@@ -28,6 +28,15 @@ def test_steady_rate_excludes_the_first_step():
     assert _steady_rate([(10.0, 8)]) is None
 
 
+def test_measured_rate_skips_the_warm_up():
+    sim = _load()
+    assert sim.warmup_steps("sync") == 1 and sim.warmup_steps("async4") == 5
+    # steps end at 10, 11, 14, 17 s; warm-up 2 steps: 2 steps x 8 samples in 6 s
+    assert sim.measured_rate([10.0, 11.0, 14.0, 17.0], 2, 8) == pytest.approx(16 / 6)
+    with pytest.raises(ValueError):
+        sim.measured_rate([10.0, 11.0], 2, 8)
+
+
 def test_ideal_is_a_bound_and_no_mode_violates_staleness(capsys):
     sim = _load()
     assert sim.main(["--devices", "16", "--modes", "sync,stream,one_step,async2", "--steps", "3",
@@ -37,7 +46,7 @@ def test_ideal_is_a_bound_and_no_mode_violates_staleness(capsys):
     assert set(rows) == {"sync", "stream", "one_step", "async2"}
     for r in rows.values():
         assert r["violations"] == 0, r["staleness_histogram"]
-        assert r["samples_trained"] == 3 * 16 * 8
+        assert r["samples_trained"] == (r["warmup_steps"] + 3) * 16 * 8
         assert 0 < r["efficiency_vs_ideal"] <= 1.0, (r["mode"], r["efficiency_vs_ideal"])
     assert rows["sync"]["speedup_vs_sync"] == pytest.approx(1.0)
     # the overlap bound is built from the stream run: stream sits below it (its phases run one after the other)
