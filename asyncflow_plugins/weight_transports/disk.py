@@ -41,7 +41,13 @@ from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightT
 from asyncflow_core.types import TensorMeta, WeightBucket
 from asyncflow_plugins.transports import _check_whole_version
 from asyncflow_plugins.weight_transports.config import DiskTransportConfig
-from asyncflow_plugins.weight_transports.manifest import VersionManifest, manifest_for, parse_manifest, verify_all
+from asyncflow_plugins.weight_transports.manifest import (
+    VersionManifest,
+    manifest_for,
+    parse_manifest,
+    pid_alive,
+    verify_all,
+)
 
 FEATURES = TransportFeatures(cross_process=True, cross_host=False, devices=("cpu",))
 WEIGHTS_FILE = "weights.safetensors"
@@ -65,16 +71,6 @@ def _bucket_key(index: int) -> str:
 
 def _dir_name(version: int) -> str:
     return f"v{version:012d}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class DiskWeightTransport(WeightTransport):
@@ -180,7 +176,7 @@ class DiskWeightTransport(WeightTransport):
     def _sweep_stale(self) -> None:
         for entry in os.scandir(self.root):
             match = _TMP_DIR.match(entry.name)
-            if match and not _pid_alive(int(match.group(1))):
+            if match and not pid_alive(int(match.group(1))):
                 shutil.rmtree(entry.path, ignore_errors=True)
         self._swept = True
 

@@ -186,3 +186,14 @@ def copy_into(payload: torch.Tensor, manifest: VersionManifest, buckets: Sequenc
     """Write each bucket's buffer at its manifest offset in ``payload`` (the padding between them is left as is)."""
     for entry, bucket in zip(manifest.buckets, buckets, strict=True):
         payload[entry.offset : entry.offset + entry.nbytes].copy_(bucket.buffer.reshape(-1))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a sender that left files behind and may be gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -54,6 +54,7 @@ from asyncflow_plugins.weight_transports.manifest import (
     copy_into,
     manifest_for,
     parse_manifest,
+    pid_alive,
     verify_all,
 )
 
@@ -103,16 +104,6 @@ class _Segment:
             self.map.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _unlink_all(paths: list[Path]) -> None:
@@ -226,7 +217,7 @@ class ShmWeightTransport(WeightTransport):
                 other = ShmManifest.model_validate_json(self.manifest_path.read_bytes())
             except (ValueError, OSError):
                 other = None
-            if other is not None and other.owner_pid != os.getpid() and _pid_alive(other.owner_pid):
+            if other is not None and other.owner_pid != os.getpid() and pid_alive(other.owner_pid):
                 raise WeightTransferError(
                     f"shm transport name {self.name!r} is in use by sender pid {other.owner_pid}; "
                     "give each sender its own name"
@@ -234,10 +225,10 @@ class ShmWeightTransport(WeightTransport):
         for path in self.dir.glob(f"{PREFIX}*"):
             match = _SEGMENT.match(path.name)
             if match:
-                stale = not _pid_alive(int(match.group(1)))
+                stale = not pid_alive(int(match.group(1)))
             elif path.suffix == ".json" and path != self.manifest_path:
                 try:
-                    stale = not _pid_alive(ShmManifest.model_validate_json(path.read_bytes()).owner_pid)
+                    stale = not pid_alive(ShmManifest.model_validate_json(path.read_bytes()).owner_pid)
                 except (ValueError, OSError):
                     stale = False  # not ours to judge
             else:
