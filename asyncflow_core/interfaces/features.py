@@ -38,7 +38,9 @@ class RolloutFeatures(Features):
 class TrainFeatures(Features):
     supports_values: bool = Field(False, description="compute_logprobs(..., values=True) returns a value head's estimates.")
     supports_checkpoint: bool = Field(True, description="save()/load() round-trip model and optimizer state.")
-    supports_hf_export: bool = Field(False, description="export_hf() writes a Hugging Face save_pretrained directory.")
+    supports_hf_export: bool = Field(
+        False, description="export_pretrained() writes a Hugging Face save_pretrained directory."
+    )
     weight_transports: tuple[str, ...] = Field(
         ("inprocess",), description="Names of the weight transports this engine can publish through."
     )

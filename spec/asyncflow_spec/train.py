@@ -156,3 +156,32 @@ class TrainEngineSpec(BackendSpec):
                 await engine.shutdown()
 
         run(body())
+
+    def test_export_pretrained_writes_a_loadable_checkpoint(self, make_backend, tmp_path):
+        """With ``supports_hf_export``, ``export_pretrained`` writes a directory with ``config.json`` and weights."""
+        require(make_backend().features, "supports_hf_export")
+
+        async def body():
+            engine = await self.ready(make_backend)
+            try:
+                await engine.export_pretrained(tmp_path / "hf")
+            finally:
+                await engine.shutdown()
+            files = {f.name for f in (tmp_path / "hf").iterdir()}
+            assert "config.json" in files, files
+            assert any(name.endswith((".safetensors", ".bin")) for name in files), files
+
+        run(body())
+
+    def test_export_pretrained_unsupported_raises_documented_error(self, make_backend, tmp_path):
+        """With ``supports_hf_export=False``, ``export_pretrained`` raises UnsupportedFeatureError."""
+        forbid(make_backend().features, "supports_hf_export")
+
+        async def body():
+            engine = await self.ready(make_backend)
+            try:
+                await expect_unsupported(engine.export_pretrained(tmp_path / "hf"), "export_pretrained()")
+            finally:
+                await engine.shutdown()
+
+        run(body())
