@@ -190,7 +190,7 @@ class FlowRuntime:
                 f"cannot resume from {resume_from[0]}: the data order changed (checkpoint {resume_from[1].data}, "
                 f"now {data_print}); resume with the same dataset, seed, data.* settings and rollout.n"
             )
-        if self.run_dir is not None and not self.resume:
+        if self.run_dir is not None:  # on resume too: the overrides given then (e.g. more steps) carry over
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(
                 yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False))
