@@ -99,11 +99,13 @@ class RankGroup:
         with self._lock:
             if self.broken is not None:
                 raise RankError(f"{what}: the engine's ranks were shut down ({self.broken})")
+            rank = 0
             try:
                 for rank, conn in enumerate(self._conns):
                     conn.send_bytes(pickle.dumps((op, payloads[rank])))
             except (BrokenPipeError, ConnectionResetError, EOFError, OSError):
-                raise self._fail(self._death_message(what), rank=None) from None
+                # the pipe of `rank` broke: that rank is gone (or going)
+                raise self._fail(self._death_message(what, rank), rank=rank) from None
             return self._collect(what, timeout_s)
 
     def _collect(self, what: str, timeout_s: float) -> list[Any]:
@@ -140,7 +142,12 @@ class RankGroup:
 
     def _death_message(self, what: str, rank: int | None = None) -> str:
         if rank is None:
-            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            deadline = time.monotonic() + 1.0  # a killed process may take a moment to be reapable
+            dead: list[int] = []
+            while not dead and time.monotonic() < deadline:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if not dead:
+                    time.sleep(0.02)
             rank = dead[0] if dead else 0
         proc = self._procs[rank]
         proc.join(timeout=1.0)
