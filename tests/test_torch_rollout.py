@@ -19,7 +19,7 @@ from asyncflow_core.interfaces import KVCachePolicy, PauseMode
 from asyncflow_core.plugins import get_plugin_manager
 from asyncflow_core.types import FinishReason, GenerationRequest, SamplingParams, pack_buckets
 from asyncflow_plugins.hf.model import build_causal_lm
-from asyncflow_plugins.toy.policy import sampling_logprobs
+from asyncflow_core.types.sampling import sampling_logprobs
 from asyncflow_spec import RolloutEngineSpec
 from asyncflow_spec.base import run
 

@@ -19,7 +19,7 @@ engine object, on the CPU or one CUDA device. What it does, step by step:
   :class:`~asyncflow_core.types.SamplingParams`): a token's log-prob is
   taken from the distribution it was *sampled from* — logits in float32,
   divided by the temperature, then top-k, then top-p truncation,
-  renormalised (:func:`asyncflow_plugins.toy.policy.sampling_logprobs`, the
+  renormalised (:func:`asyncflow_core.types.sampling.sampling_logprobs`, the
   one function the toy engines use, so the conventions cannot drift). A
   full forward pass over prompt + completion, scored with that function,
   reproduces the returned log-probs (float32: to ~1e-6).
@@ -55,7 +55,7 @@ from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureEr
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
 from asyncflow_core.types.weights import dtype_name
-from asyncflow_plugins.toy.policy import sampling_logprobs
+from asyncflow_core.types.sampling import sampling_logprobs
 
 FEATURES = RolloutFeatures(
     supports_abort=True,

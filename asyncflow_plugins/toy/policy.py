@@ -3,12 +3,15 @@
 Small enough to train in milliseconds on a CPU, rich enough to exercise every
 contract for real: sampling with temperature / top-p / top-k, per-token
 log-probs, bucketed weight export and in-place loading. The rollout and the
-train engine share this file so their log-prob conventions cannot drift.
+train engine share this file; the log-prob convention itself is
+``asyncflow_core.types.sampling.sampling_logprobs``, shared by every engine.
 """
 
 from __future__ import annotations
 
 import torch
+
+from asyncflow_core.types.sampling import sampling_logprobs  # noqa: F401  (the shared convention)
 
 PARAM_NAME = "bigram.weight"
 
@@ -17,23 +20,3 @@ def initial_table(vocab_size: int, seed: int, init_scale: float) -> torch.Tensor
     """The version-0 weights both toy engines start from (same seed -> same table)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(vocab_size, vocab_size, generator=gen) * init_scale
-
-
-def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
-    """Log-probs of the distribution tokens are sampled from: temperature, then top-k, then top-p, renormalised.
-
-    Tokens cut by top-k/top-p get ``-inf``. ``logits`` is ``[..., vocab]``.
-    """
-    scaled = logits / temperature
-    if top_k > 0 and top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    logp = torch.log_softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-        cum = sorted_logp.exp().cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
-        drop_sorted = (cum - sorted_logp.exp()) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
-    return logp

@@ -5,7 +5,7 @@ with causal attention a real token never sees the padding after it, and
 position ids start at 0 in every row, so each row's logits equal those of an
 unpadded forward. Only the positions that predict response tokens are turned
 into logits (``logits_to_keep``), then the shared log-prob convention
-(temperature, top-k, top-p; :func:`asyncflow_plugins.toy.policy.sampling_logprobs`)
+(temperature, top-k, top-p; :func:`asyncflow_core.types.sampling.sampling_logprobs`)
 is applied in float32.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncflow_core.types import RaggedTensor
-from asyncflow_plugins.toy.policy import sampling_logprobs
+from asyncflow_core.types.sampling import sampling_logprobs
 
 PAD_ID = 0  #: filler after each row; never attended to by a real token (causal attention)
 

@@ -30,7 +30,7 @@ from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_fsdp.packing import micro_batches, plan_step, split_across_ranks
 from asyncflow_fsdp.testing import TINY_QWEN2, FailingAlgorithm, GRPOWithValueLoss, tiny_options
 from asyncflow_plugins.hf.model import build_causal_lm
-from asyncflow_plugins.toy.policy import sampling_logprobs
+from asyncflow_core.types.sampling import sampling_logprobs
 
 VOCAB = TINY_QWEN2["vocab_size"]
 
