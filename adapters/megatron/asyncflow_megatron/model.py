@@ -1,0 +1,113 @@
+"""Building the Megatron GPTModel of one rank from an :class:`Architecture` (imports megatron-core).
+
+Call only after ``parallel_state.initialize_model_parallel``: the model's
+layers find their tensor-parallel group and pipeline stage there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+)
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from asyncflow_megatron.hf_mapping import Architecture
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine imports (its layer spec needs it)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any failure (not installed, no CUDA, ABI mismatch) means "use local"
+        return False
+    return True
+
+
+def resolve_impl(requested: str, device_type: str) -> str:
+    """``auto`` -> ``transformer_engine`` on CUDA when it imports, else ``local``."""
+    if requested == "auto":
+        return "transformer_engine" if device_type == "cuda" and te_available() else "local"
+    return requested
+
+
+def transformer_config_kwargs(arch: Architecture, *, tp: int, pp: int, sequence_parallel: bool,
+                              params_dtype: torch.dtype, cpu: bool, recompute: bool) -> dict[str, Any]:
+    """The TransformerConfig arguments of ``arch`` (one place, so a test can read the mapping without a model)."""
+    bf16 = params_dtype == torch.bfloat16
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_eps,
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 = [gate; up], silu on the gate half
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
+        # RL scores the sampled tokens: dropout would make log-probs of the same weights differ between passes
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sequence_parallel,
+        # rows of different lengths per micro-batch: pipeline stages exchange shapes before each send
+        variable_seq_lengths=pp > 1,
+        # megatron's config check ties variable_seq_lengths to this MoE setting even for dense models
+        moe_token_dispatcher_type="alltoall",
+        # the algorithm's loss is already normalised by the whole step's counts (LossContext): Megatron must add
+        # micro-batch and data-parallel gradients, not average them
+        calculate_per_token_loss=True,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        autocast_dtype=params_dtype if bf16 else None,
+        use_cpu_initialization=cpu,
+        # the weights are overwritten from the Hugging Face model right after, but the initialisation must run:
+        # it is what marks tensor-parallel weights (`tensor_model_parallel`), and without that mark the gradient
+        # norm counts only TP rank 0's slices
+        perform_initialization=True,
+    )
+    if cpu:
+        # the fused kernels are CUDA-only
+        kwargs.update(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                      persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    else:
+        kwargs.update(bias_activation_fusion=True, masked_softmax_fusion=True, apply_rope_fusion=False,
+                      gradient_accumulation_fusion=False)
+    if recompute:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    return kwargs
+
+
+def build_gpt_model(arch: Architecture, config: TransformerConfig, *, impl: str) -> GPTModel:
+    """This rank's stage of the GPTModel (its layers, and the embedding / head on the first / last stage)."""
+    if impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=arch.padded_vocab_size(tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        # full-vocabulary logits: top-k / top-p of the log-prob convention need every logit of a position
+        parallel_output=False,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
+    )
