@@ -1,0 +1,114 @@
+"""A small async HTTP client for an SGLang server: every failure becomes an EngineError naming the route.
+
+Three kinds of failure, because callers treat them differently:
+
+- :class:`ServerAnswerError`: the server answered 4xx/5xx (``status`` and the
+  server's own message are kept). One request can fail this way alone.
+- :class:`ServerTimeoutError`: no answer before the deadline.
+- :class:`ServerUnreachableError`: no connection, or the connection broke
+  (the server died or restarted). The whole engine is gone.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from asyncflow_core.errors import EngineError
+
+
+class ServerError(EngineError):
+    """A call to the SGLang server failed; ``route`` says which."""
+
+    def __init__(self, message: str, *, route: str, status: int | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.route = route
+        self.status = status
+        self.detail = detail
+
+
+class ServerAnswerError(ServerError):
+    """The server answered with an error status (``status``, ``detail`` = its message)."""
+
+
+class ServerTimeoutError(ServerError):
+    """The server did not answer in time."""
+
+
+class ServerUnreachableError(ServerError):
+    """No connection to the server, or it broke mid-call."""
+
+
+class SGLangClient:
+    """JSON over HTTP to one server. One connection pool; calls may run concurrently."""
+
+    def __init__(
+        self, base_url: str, *, connect_timeout_s: float, max_connections: int, api_key: str | None = None
+    ) -> None:
+        self.base_url = base_url
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(max_connections, 64))
+        self._connect_timeout_s = connect_timeout_s
+        # trust_env=False: never route loopback traffic through a proxy from the environment
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, trust_env=False)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def get(self, route: str, *, timeout_s: float) -> Any:
+        return await self._call("GET", route, None, timeout_s)
+
+    async def post(self, route: str, payload: dict[str, Any] | None, *, timeout_s: float) -> Any:
+        return await self._call("POST", route, payload, timeout_s)
+
+    async def _call(self, method: str, route: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
+        timeout = httpx.Timeout(timeout_s, connect=min(self._connect_timeout_s, timeout_s))
+        where = f"{method} {self.base_url}{route}"
+        try:
+            response = await self._http.request(method, route, json=payload, timeout=timeout)
+        except httpx.TimeoutException as exc:
+            raise ServerTimeoutError(
+                f"SGLang server did not answer {where} within {timeout_s:g}s ({type(exc).__name__})", route=route
+            ) from exc
+        except httpx.TransportError as exc:
+            raise ServerUnreachableError(
+                f"lost the SGLang server at {where}: {type(exc).__name__}: {exc or 'connection failed'}; "
+                "is it running (check its log)?",
+                route=route,
+            ) from exc
+        if response.status_code >= 400:
+            detail = _message(response)
+            raise ServerAnswerError(
+                f"SGLang server answered {where} with {response.status_code}: {detail}",
+                route=route,
+                status=response.status_code,
+                detail=detail,
+            )
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+
+def _message(response: httpx.Response) -> str:
+    """The server's own words: ``{"error": {"message": ...}}``, ``{"message": ...}`` or the body text."""
+    text = response.text.strip()
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:500]
+        if isinstance(err, str):
+            return err[:500]
+        if body.get("message"):
+            return str(body["message"])[:500]
+        if body.get("detail"):
+            return str(body["detail"])[:500]
+    return text[:500]
