@@ -13,6 +13,11 @@ class TestToyRollout(RolloutEngineSpec):
     backend = "toy"
     options = {"vocab_size": 16}
 
+    def weights(self):
+        from asyncflow_plugins.toy.policy import PARAM_NAME, initial_table
+
+        return {PARAM_NAME: initial_table(16, seed=1, init_scale=1.0)}
+
 
 class TestToyTrain(TrainEngineSpec):
     backend = "toy"

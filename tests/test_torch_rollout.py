@@ -51,6 +51,9 @@ class TestTorchRolloutSpec(RolloutEngineSpec):
     backend = "torch"
     options = BASE
 
+    def weights(self):
+        return dict(reference(init_seed=1).state_dict())
+
 
 def make(**overrides):
     return get_plugin_manager().create("rollout_engine", "torch", {**BASE, **overrides})

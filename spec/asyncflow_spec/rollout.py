@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import ClassVar
 
+import pytest
 import torch
 
+from asyncflow_core.errors import WeightTransferError
 from asyncflow_core.interfaces import Health, PauseMode, RolloutEngine
 from asyncflow_core.plugins import PluginKind
-from asyncflow_core.types import FinishReason, GenerationRequest, SamplingParams
+from asyncflow_core.types import FinishReason, GenerationRequest, SamplingParams, WeightBucket, pack_buckets
 from asyncflow_spec.base import BackendSpec, expect_unsupported, forbid, require, run
 
 
 class RolloutEngineSpec(BackendSpec):
-    """Subclass and set ``backend`` (and ``options``); override ``prompt_token_ids`` if token 1..4 are not valid ids."""
+    """Subclass and set ``backend`` (and ``options``); override ``prompt_token_ids`` if token 1..4 are not valid ids.
+
+    Override :meth:`weights` to run the weight-update tests: it returns a
+    complete set of named tensors the engine accepts (e.g. the state dict of
+    the same architecture with other values); without it they are skipped.
+    """
 
     kind = PluginKind.ROLLOUT_ENGINE
     prompt_token_ids: ClassVar[tuple[int, ...]] = (1, 2, 3)
     max_new_tokens: ClassVar[int] = 8
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Every tensor of an update the engine accepts (names, shapes and dtypes of its model); None skips."""
+        return None
 
     def request(self, rid: str, **sampling) -> GenerationRequest:
         params = {"max_new_tokens": self.max_new_tokens, **sampling}
@@ -168,6 +180,61 @@ class RolloutEngineSpec(BackendSpec):
 
         run(body())
 
+    def _update(self, version: int) -> list[WeightBucket]:
+        tensors = self.weights()
+        if tensors is None:
+            pytest.skip("weights() is not overridden: the weight-update tests need a set of tensors the engine accepts")
+        # small buckets, so an update has several and the bad-bucket test can spoil one in the middle
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        return list(pack_buckets(tensors.items(), version=version, bucket_bytes=max(1, total // 3)))
+
+    def test_update_weights_moves_every_new_token_to_the_new_version(self, make_backend):
+        """After ``update_weights(v)``, ``version`` is v and every token sampled afterwards carries v.
+
+        Fix: apply all buckets, then set the version at a step boundary (the
+        safe point), so no token mixes versions.
+        """
+
+        async def body():
+            engine = await self.started(make_backend)
+            try:
+                new = engine.version + 1
+                await engine.update_weights(new, _feed(self._update(new)))
+                assert engine.version == new
+                results = [r async for r in engine.generate([self.request(f"u{i}") for i in range(3)])]
+                for r in results:
+                    assert set(_values(r.versions)) == {new}, "tokens sampled after an update must carry its version"
+            finally:
+                await engine.shutdown()
+
+        run(body())
+
+    def test_bad_bucket_is_refused_and_keeps_the_old_version(self, make_backend):
+        """A corrupted bucket raises WeightTransferError, and the old version stays in force.
+
+        Fix: call ``bucket.verify()`` on every bucket and check names and
+        shapes before touching a parameter.
+        """
+
+        async def body():
+            engine = await self.started(make_backend)
+            try:
+                old = engine.version
+                buckets = self._update(old + 1)
+                bad = buckets[len(buckets) // 2]
+                spoiled = bad.buffer.clone()
+                spoiled[0] ^= 0xFF
+                buckets[len(buckets) // 2] = dataclasses.replace(bad, buffer=spoiled)
+                with pytest.raises(WeightTransferError):
+                    await engine.update_weights(old + 1, _feed(buckets))
+                assert engine.version == old, "a refused update must leave the version unchanged"
+                (res,) = [r async for r in engine.generate([self.request("after-bad")])]
+                assert set(_values(res.versions)) == {old}
+            finally:
+                await engine.shutdown()
+
+        run(body())
+
     def test_health_and_double_shutdown(self, make_backend):
         """``health`` answers a Health model; ``shutdown`` twice is safe."""
 
@@ -187,6 +254,11 @@ def _values(seq) -> list:
         assert seq.dim() == 1, f"a result tensor must be 1-D, got shape {tuple(seq.shape)}"
         return seq.tolist()
     return list(seq)
+
+
+async def _feed(buckets):
+    for bucket in buckets:
+        yield bucket
 
 
 async def _collect(stream):
