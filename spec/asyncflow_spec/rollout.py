@@ -180,6 +180,71 @@ class RolloutEngineSpec(BackendSpec):
 
         run(body())
 
+    def test_pause_abort_ends_in_flight_and_holds_new_until_resume(self, make_backend):
+        """``pause(ABORT)`` ends in-flight requests with reason ``abort``; a request sent while paused waits for ``resume``.
+
+        Fix: abort what is running, return once quiescent, and admit nothing
+        new until ``resume()``.
+        """
+        require(make_backend().features, "supports_pause_abort")
+
+        async def body():
+            engine = await self.started(make_backend)
+            try:
+                running = asyncio.ensure_future(
+                    _collect(engine.generate([self.request(f"pa{i}", max_new_tokens=10_000) for i in range(2)]))
+                )
+                await asyncio.sleep(0)
+                await engine.pause(PauseMode.ABORT)
+                results = await asyncio.wait_for(running, 60)
+                assert {r.finish_reason for r in results} == {FinishReason.ABORT}
+                held = asyncio.ensure_future(_collect(engine.generate([self.request("held", max_new_tokens=3)])))
+                for _ in range(5):
+                    await asyncio.sleep(0)
+                assert not held.done(), "a request sent while paused finished before resume()"
+                await engine.resume()
+                (res,) = await asyncio.wait_for(held, 60)
+                assert res.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+            finally:
+                await engine.shutdown()
+
+        run(body())
+
+    def test_resume_prefix_is_continued_not_restarted(self, make_backend):
+        """A request carrying a prefix from an aborted attempt returns that prefix first, then new tokens.
+
+        Fix: feed prompt + prefix as context, generate at most
+        ``max_new_tokens - len(prefix)`` more, and return prefix + new tokens
+        (with the prefix's log-probs and versions unchanged).
+        """
+        require(make_backend().features, "supports_resume_prefix")
+
+        async def body():
+            engine = await self.started(make_backend)
+            try:
+                (first,) = [r async for r in engine.generate([self.request("pre", max_new_tokens=2)])]
+                if first.finish_reason is not FinishReason.LENGTH:
+                    pytest.skip("the first attempt stopped early; no prefix to continue")
+                prefix = tuple(int(t) for t in _values(first.token_ids))
+                resumed = dataclasses.replace(
+                    self.request("cont", max_new_tokens=6),
+                    prefix_token_ids=prefix,
+                    prefix_logprobs=tuple(float(x) for x in _values(first.logprobs)),
+                    prefix_versions=tuple(int(v) for v in _values(first.versions)),
+                )
+                (res,) = [r async for r in engine.generate([resumed])]
+                tokens = [int(t) for t in _values(res.token_ids)]
+                assert tokens[: len(prefix)] == list(prefix), "the resumed prefix must come back first"
+                assert [float(x) for x in _values(res.logprobs)][: len(prefix)] == pytest.approx(
+                    [float(x) for x in _values(first.logprobs)]
+                )
+                assert len(prefix) <= len(tokens) <= 6
+                assert len(res.token_ids) == len(res.logprobs) == len(res.versions)
+            finally:
+                await engine.shutdown()
+
+        run(body())
+
     def _update(self, version: int) -> list[WeightBucket]:
         tensors = self.weights()
         if tensors is None:
