@@ -158,6 +158,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._tmpdir: str | None = None
         self._expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._tied: set[str] = set()
+        self._aliases: dict[str, list[str]] = {}  #: a tied tensor's first name -> its other names
         self._vocab = 0
         self._max_len = 0
         self._eos: frozenset[int] = frozenset()
@@ -260,6 +261,7 @@ class VLLMRolloutEngine(RolloutEngine):
         for name, t in params.items():  # tied tensors (one parameter, several names) need only one of them
             if id(t) in seen:
                 self._tied.add(name)
+                self._aliases.setdefault(seen[id(t)], []).append(name)
             seen.setdefault(id(t), name)
         return directory
 
@@ -414,8 +416,10 @@ class VLLMRolloutEngine(RolloutEngine):
         logprobs: list[float] = []
         final = None
         try:
-            stream = self._llm.generate({"prompt_token_ids": [*r.prompt_token_ids, *prefix]}, params,
-                                        request_id=r.request_id)
+            # the salt keys vLLM's prefix cache by weight version: a request never reuses prompt KV that an
+            # older version computed, even when the cache could not be reset (requests were running)
+            prompt = {"prompt_token_ids": [*r.prompt_token_ids, *prefix], "cache_salt": f"asyncflow-v{self._version}"}
+            stream = self._llm.generate(prompt, params, request_id=r.request_id)
             async for out in stream:
                 c = out.outputs[0]
                 for tok, lp in zip(c.token_ids, c.logprobs or (), strict=False):
@@ -553,9 +557,13 @@ class VLLMRolloutEngine(RolloutEngine):
             choices = [p.value for p in KVCachePolicy]
             raise ValueError(f"unknown kv_cache policy {kv_cache!r}; use one of {choices}") from None
         received = await self._receive(version, buckets)
+        # a bucket is valid only during this call (senders reuse their buffers for the next export):
+        # the probe's copy of the weights is taken now, not after the update
+        expected = {name: t.float().clone() for b in received for name, t in b.tensors()} \
+            if self.config.probe_updates else None
         async with self._update_lock:
             # the load runs to the end even if the caller is cancelled: weights and version never disagree
-            await asyncio.shield(asyncio.ensure_future(self._install(llm, version, received, kv_cache)))
+            await asyncio.shield(asyncio.ensure_future(self._install(llm, version, received, kv_cache, expected)))
 
     async def _receive(self, version: int, buckets: AsyncIterable[WeightBucket]) -> list[WeightBucket]:
         """Every bucket of the update, checked against the model before anything is sent to vLLM."""
@@ -596,7 +604,10 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         return out
 
-    async def _install(self, llm: Any, version: int, buckets: list[WeightBucket], kv_cache: KVCachePolicy) -> None:
+    async def _install(
+        self, llm: Any, version: int, buckets: list[WeightBucket], kv_cache: KVCachePolicy,
+        expected: dict[str, torch.Tensor] | None,
+    ) -> None:
         timeout = self.config.weight_sync_timeout_s
         group = await self._ensure_group(llm)
         paused_here = not self._paused
@@ -613,9 +624,13 @@ class VLLMRolloutEngine(RolloutEngine):
                 }
                 for b in buckets
             ]
+            # a tied tensor sent under one name is loaded under its other names too: on CPU vLLM repacks the
+            # output projection (lm_head) for oneDNN, and only loading it by name makes that copy current
+            sent = {m.name for b in buckets for m in b.metas}
+            aliases = {src: [a for a in names if a not in sent] for src, names in self._aliases.items() if src in sent}
             # announce first (the workers post their receives only for transfers that are coming) ...
             load = asyncio.ensure_future(
-                llm.collective_rpc("asyncflow_load", args=(version, metas, self.config.verify_updates))
+                llm.collective_rpc("asyncflow_load", args=(version, metas, self.config.verify_updates, aliases))
             )
             try:
                 # ... then send; a worker that died makes the broadcast fail at the group's timeout, not hang
@@ -642,7 +657,9 @@ class VLLMRolloutEngine(RolloutEngine):
             await llm.update_weight_version(str(version))
             self._version = version
             # cached prefixes were computed by the old weights; RECOMPUTE also preempts held requests so
-            # their whole context is recomputed by the new weights before they continue
+            # their whole context is recomputed by the new weights before they continue. With KEEP and
+            # requests running vLLM cannot reset (it returns False): the per-version cache salt above is
+            # what keeps new requests off the old blocks then
             await llm.reset_prefix_cache(reset_running_requests=kv_cache is KVCachePolicy.RECOMPUTE)
         finally:
             if paused_here and self._failure is None:
@@ -650,10 +667,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.last_update = {"version": version, "buckets": len(buckets),
                             "compared": sum(r.get("compared", 0) for r in results),
                             "unreadable": sum(r.get("unreadable", 0) for r in results), "probe": None}
-        if self.config.probe_updates and paused_here:
-            self.last_update["probe"] = await self._probe(version, buckets)
+        if expected is not None and paused_here:
+            self.last_update["probe"] = await self._probe(version, expected)
 
-    async def _probe(self, version: int, buckets: list[WeightBucket]) -> float:
+    async def _probe(self, version: int, state: dict[str, torch.Tensor]) -> float:
         """Sample from a fixed prompt and compare log-probs with a forward pass over the weights sent."""
         from asyncflow_core.types.sampling import sampling_logprobs
 
@@ -667,7 +684,6 @@ class VLLMRolloutEngine(RolloutEngine):
                 lambda: transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
             )
         net = self._probe_net
-        state = {name: t.float() for b in buckets for name, t in b.tensors()}
         net.load_state_dict(state, strict=False)
         prompt = tuple(t for t in range(self._vocab) if t not in self._eos)[:4]
         params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=version)

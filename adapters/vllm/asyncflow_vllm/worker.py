@@ -23,6 +23,11 @@ times out poisons its connection):
    and a fused parameter (q/k/v, gate/up) may span two buckets;
 3. with ``verify`` on, every parameter of the vLLM model is read back and
    compared with the tensors sent (fused q/k/v and gate/up included).
+
+A tied tensor the sender sent under one name (trainers export
+``model.embed_tokens.weight`` but not ``lm_head.weight``) is loaded under its
+other names as well (``aliases``): vLLM's CPU backend keeps a repacked copy of
+the output projection that only a load by that name refreshes.
 """
 
 from __future__ import annotations
@@ -88,7 +93,9 @@ class WeightSyncExtension:
         self._asyncflow_group = None
         self._asyncflow_store = None
 
-    def asyncflow_load(self, version: int, buckets: list[dict[str, Any]], verify: bool) -> dict[str, Any]:
+    def asyncflow_load(
+        self, version: int, buckets: list[dict[str, Any]], verify: bool, aliases: dict[str, list[str]] | None = None
+    ) -> dict[str, Any]:
         """Receive ``buckets`` by broadcast from rank 0 and load them; see the module docstring."""
         group = getattr(self, "_asyncflow_group", None)
         if group is None:
@@ -122,6 +129,7 @@ class WeightSyncExtension:
             # copies, not views: vLLM's layerwise reload holds a layer's tensors until all of that layer has
             # arrived (a fused q/k/v or gate/up may span two buckets), and the receive buffer is reused
             tensors = [(name, view.clone()) for name, view in _views(target, bucket["metas"])]
+            tensors += [(alias, t) for name, t in tensors for alias in (aliases or {}).get(name, ())]
             model.load_weights(tensors)
             loaded += len(tensors)
             if verify:
