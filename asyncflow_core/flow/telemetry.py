@@ -5,6 +5,11 @@ Every stage and engine instance is a *lane*; whatever it spends time on
 is a span ``[start, end)`` on the run's clock — the event loop's clock, so a
 simulated run's spans are in simulated seconds. Idle time is what lies
 between spans. ``utilisation`` gives each lane's busy fraction over a window.
+
+Everything written to the run directory passes through a
+:class:`~asyncflow_core.config.redact.Redactor` (the process's default one
+unless given): a secret that reached a lane name, a metric or an error
+string is replaced before it touches the disk (docs/security.md).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncflow_core.config.redact import Redactor, default_redactor
 
 #: spans that show a lane *waiting* (drawn on the timeline, not counted as busy)
 WAIT_SPANS = frozenset({"admission_wait", "wait_batch"})
@@ -101,13 +107,26 @@ class Timeline:
             })
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
-    def write(self, run_dir: Path) -> Path:
-        """Write ``trace.json`` (Chrome/Perfetto) and ``spans.jsonl`` (for ``asyncflow trace``)."""
+    def redacted(self, redactor: Redactor | None = None) -> Timeline:
+        """The timeline with lane and span names through ``redactor`` (``self`` when no name changes)."""
+        r = redactor or default_redactor()
+        names = {s.lane for s in self.spans} | {s.name for s in self.spans}
+        clean = {text: r.text(text) for text in names}
+        if all(clean[text] == text for text in names):
+            return self  # the common case: nothing to replace, no copy of a million spans
+        out = Timeline(self.clock)
+        out.t0 = self.t0
+        out.spans = [Span(clean[s.lane], clean[s.name], s.start, s.end) for s in self.spans]
+        return out
+
+    def write(self, run_dir: Path, *, redactor: Redactor | None = None) -> Path:
+        """Write ``trace.json`` (Chrome/Perfetto) and ``spans.jsonl`` (for ``asyncflow trace``), secrets redacted."""
+        clean = self.redacted(redactor)
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / "trace.json"
-        path.write_text(json.dumps(self.chrome_trace()))
+        path.write_text(json.dumps(clean.chrome_trace()))
         with (run_dir / "spans.jsonl").open("w") as fh:
-            for s in self.spans:
+            for s in clean.spans:
                 fh.write(json.dumps({"lane": s.lane, "name": s.name, "start": s.start - self.t0,
                                      "end": s.end - self.t0}) + "\n")
         return path
@@ -184,10 +203,11 @@ def gantt_png(spans: list[Span], path: Path, *, title: str = "asyncflow timeline
 
 
 class MetricsWriter:
-    """One JSON object per line (``metrics.jsonl``), flushed as written."""
+    """One JSON object per line (``metrics.jsonl``), flushed as written; secrets redacted on the way out."""
 
-    def __init__(self, path: Path | None, *, append: bool = False) -> None:
+    def __init__(self, path: Path | None, *, append: bool = False, redactor: Redactor | None = None) -> None:
         self.path = path
+        self.redactor = redactor
         self.records: list[dict[str, Any]] = []
         self._fh = None
         if path is not None:
@@ -197,7 +217,7 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         if self._fh is not None:
-            self._fh.write(json.dumps(record) + "\n")
+            self._fh.write(json.dumps((self.redactor or default_redactor()).value(record)) + "\n")
             self._fh.flush()
 
     def close(self) -> None:

@@ -287,7 +287,13 @@ class ShmWeightTransport(WeightTransport):
         except FileNotFoundError:
             return None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid():  # /dev/shm is world-writable: never take weights another user planted
+                raise WeightTransferError(
+                    f"shared-memory segment {manifest.segment} belongs to uid {st.st_uid}, not this user "
+                    f"({os.getuid()}); refusing it"
+                )
+            size = st.st_size
             needed = HEADER_BYTES + manifest.weights.total_bytes
             if size < needed:
                 raise WeightTransferError(

@@ -231,14 +231,41 @@ def ensure_process_group(config: DistributedStoreConfig) -> None:
     """Initialise torch.distributed from the environment when asked; otherwise insist it already is."""
     if dist.is_available() and dist.is_initialized():
         return
-    if not config.init_process_group:
-        from asyncflow_core.errors import ConfigError
+    from asyncflow_core.errors import ConfigError
 
+    if not config.init_process_group:
         raise ConfigError(
             "the distributed store needs torch.distributed: call torch.distributed.init_process_group() first, or "
             "set init_process_group: true with MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE in the environment"
         )
-    dist.init_process_group(config.backend, timeout=timedelta(seconds=config.timeout_s))
+    # torch's env:// rendezvous makes rank 0's TCPStore listen on every interface, whatever MASTER_ADDR says;
+    # this store is single-host (its control channel is a Unix socket), so the group it starts is loopback-only
+    env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    missing = [k for k, v in env.items() if not v]
+    if missing:
+        raise ConfigError(f"store.options.init_process_group: true needs {', '.join(missing)} in the environment")
+    if not _is_loopback_host(env["MASTER_ADDR"] or ""):
+        raise ConfigError(
+            f"MASTER_ADDR={env['MASTER_ADDR']} is not a loopback address: the distributed store starts only "
+            "single-host groups bound to 127.0.0.1; set MASTER_ADDR=127.0.0.1, or join your multi-host group "
+            "yourself (torch.distributed.init_process_group) before opening the store"
+        )
+    try:
+        rank, world_size, port = int(env["RANK"] or ""), int(env["WORLD_SIZE"] or ""), int(env["MASTER_PORT"] or "")
+    except ValueError:
+        raise ConfigError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers, got {env}") from None
+    init_loopback_process_group(rank, world_size, port, backend=config.backend, timeout_s=config.timeout_s)
+
+
+def _is_loopback_host(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _kv_store() -> Any:
@@ -869,13 +896,16 @@ def init_loopback_process_group(rank: int, world_size: int, port: int, *, backen
 
     ``init_method="tcp://127.0.0.1:PORT"`` makes rank 0's TCPStore listen on
     every interface; here rank 0 binds the listening socket to loopback itself
-    and hands it to the store (``master_listen_fd``).
+    and hands it to the store (``master_listen_fd``), and gloo's own sockets
+    use the loopback interface (``GLOO_SOCKET_IFNAME=lo`` unless already set).
     """
     import socket
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    if "lo" in {name for _, name in socket.if_nameindex()}:  # gloo's own pair sockets on loopback too
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
