@@ -237,9 +237,13 @@ class PipelineConfig(StrictModel):
 
 
 class LauncherConfig(Component):
-    """Where the roles run."""
+    """Where the roles run (docs/launchers.md); the rest of the config is the same under every launcher."""
 
-    name: str = Field("local", description="Launcher plugin name (local: one process; ray: a Ray cluster).")
+    name: str = Field(
+        "local",
+        description="Launcher plugin name (local: one process; ray: rollout replicas, trainer and reward workers as "
+        "Ray actors, the store on its ray deployment; options in docs/launchers.md).",
+    )
 
 
 class LoggingConfig(StrictModel):

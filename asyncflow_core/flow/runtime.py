@@ -27,6 +27,7 @@ import yaml
 
 from asyncflow_core import columns as C
 from asyncflow_core.config.loader import ResolvedConfig
+from asyncflow_core.config.redact import default_redactor, install_log_redaction, redact_config
 from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
 from asyncflow_core.flow.checkpoint import CheckpointState, latest_checkpoint, save_checkpoint
 from asyncflow_core.flow.ledger import Ledger
@@ -68,11 +69,36 @@ def check_off_policy(k: int, algorithm: Any) -> None:
         )
 
 
+class Roles:
+    """Where a run's components are built, and how the loss of one is reported.
+
+    The ``local`` launcher uses this class itself: every component is built
+    here, in this process, by its plugin's factory, and nothing can be lost
+    out from under the run. Other launchers subclass it (the ``ray`` launcher
+    builds engines and rewards as actors behind proxies with the same
+    interfaces), so the runtime and the stages stay the same under every
+    launcher.
+    """
+
+    def __init__(self) -> None:
+        #: the run's counters (the runtime uses this very Counter): launcher events land in metrics and summary
+        self.counters: Counter[str] = Counter()
+
+    def build(self, section: str, factory: Any, options: Any, *, role: str, index: int = 0) -> Any:
+        """The component of config section ``section`` (``role``: trainer or ref; ``index``: the replica)."""
+        return factory(options)
+
+    async def lost(self) -> None:
+        """Raises when a role the run cannot go on without is gone; local roles never are."""
+        await asyncio.Event().wait()
+
+
 class FlowRuntime:
     """One run: engines, store, stages, weight sync, telemetry."""
 
     def __init__(self, resolved: ResolvedConfig, *, run_dir: Path | None = None, progress: bool = False,
-                 write_png: bool = True, resume: bool = False) -> None:
+                 write_png: bool = True, resume: bool = False, roles: Roles | None = None) -> None:
+        self.roles = roles or Roles()
         self.resolved = resolved
         self.config = resolved.config
         self.run_dir = run_dir
@@ -83,6 +109,7 @@ class FlowRuntime:
         self.write_png = write_png
         self.pm = get_plugin_manager()
         self.summary: dict[str, Any] = {}
+        self.ctx: FlowContext | None = None
 
     async def _restore(self, resume_from: tuple[Path, CheckpointState], trainer: Any, ctx: FlowContext,
                        step_log: _StepLogger, rollout: RolloutStage, transport: Any) -> None:
@@ -105,9 +132,17 @@ class FlowRuntime:
         report = await transport.send(trainer.export_weights(bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20))),
                                       deadline_s=cfg.weight_transport.deadline_s)
         ctx.published = report.version
+        rollout.weights_pushed = True
         for r in rollout.replicas:
             with ctx.timeline.span(r.lane, "update_weights"):
-                await rollout._update(r, min_version=report.version)
+                try:
+                    await rollout._update(r, min_version=report.version)
+                except EngineError as exc:
+                    if not callable(getattr(r.engine, "restart", None)):
+                        raise
+                    # a replaceable replica (a launcher's remote one) died here: the rollout stage restarts it and
+                    # loads these weights into the new one before it generates anything
+                    await rollout._replica_died(r, exc)
 
     def _inherited(self, section: str) -> dict[str, Any]:
         """Run-level settings an engine's options receive when they have the field and the user left it unset.
@@ -125,7 +160,7 @@ class FlowRuntime:
                     "top_k": cfg.rollout.top_k}
         return {}
 
-    def _create(self, section: str, **update: Any) -> Any:
+    def _create(self, section: str, *, role: str | None = None, index: int = 0, **update: Any) -> Any:
         comp = self.resolved.components[section]
         options = comp.options
         fields = getattr(type(options), "model_fields", {})
@@ -134,7 +169,7 @@ class FlowRuntime:
         update = {**inherit, **update}
         if update:
             options = options.model_copy(update={k: v for k, v in update.items() if k in fields})
-        return comp.registered.record.factory(options)
+        return self.roles.build(section, comp.registered.record.factory, options, role=role or section, index=index)
 
     def _replica_options(self, i: int) -> dict[str, Any]:
         """Replica ``i`` samples with its own seed (a ``sampling_seed`` option, else ``seed``); replica 0 as configured."""
@@ -190,10 +225,12 @@ class FlowRuntime:
                 f"cannot resume from {resume_from[0]}: the data order changed (checkpoint {resume_from[1].data}, "
                 f"now {data_print}); resume with the same dataset, seed, data.* settings and rollout.n"
             )
+        dumped = cfg.model_dump(mode="json", by_alias=True)
+        default_redactor().learn(dumped)  # its secrets, and the environment's, are scrubbed from every output
+        install_log_redaction()
         if self.run_dir is not None:  # on resume too: the overrides given then (e.g. more steps) carry over
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(
-                yaml.safe_dump(cfg.model_dump(mode="json", by_alias=True), sort_keys=False))
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(redact_config(dumped), sort_keys=False))
         tokenizer = make_tokenizer(cfg.model)
         store = self._create("store", clock=clock, group_size=n)
         transport = self._create("weight_transport")
@@ -203,14 +240,16 @@ class FlowRuntime:
                 f"algorithm {cfg.algorithm.name!r} reads value estimates, but trainer {cfg.trainer.name!r} has no "
                 "value head; enable one in trainer.options (fsdp: value_head: true) or pick a critic-free algorithm"
             )
-        replicas = [self._create("rollout", **self._replica_options(i)) for i in range(cfg.rollout.replicas)]
+        replicas = [self._create("rollout", index=i, **self._replica_options(i)) for i in range(cfg.rollout.replicas)]
         reward = self._create("reward")
-        ref_engine = self._create("trainer") if needs_ref else None
+        ref_engine = self._create("trainer", role="ref") if needs_ref else None
 
         timeline = Timeline(clock)
         ctx = FlowContext(store=store, timeline=timeline, ledger=Ledger(), k=k, prompts_per_step=B, n=n, clock=clock,
                           stale_policy=cfg.async_.stale_policy.value,
                           max_failure_rate=cfg.pipeline.max_failure_rate)
+        self.ctx = ctx  #: the live run's shared state (version, ledger, counters), for launchers and tests
+        ctx.counters = self.roles.counters  # one set of counters: the launcher's events land in the metrics too
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.run_dir else None, append=self.resume)
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
@@ -222,7 +261,8 @@ class FlowRuntime:
             kv_cache=KVCachePolicy(cfg.rollout.kv_cache),
         )
         stages: list[Stage] = [
-            PromptFeeder(dataset, tokenizer, epochs=cfg.data.epochs, shuffle=cfg.data.shuffle, seed=cfg.seed),
+            PromptFeeder(dataset, tokenizer, epochs=cfg.data.epochs, shuffle=cfg.data.shuffle, seed=cfg.seed,
+                         max_prompts=cfg.trainer.total_steps * B),
             rollout,
             RewardStage(reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s),
         ]
@@ -303,6 +343,7 @@ class FlowRuntime:
             tasks.update({asyncio.ensure_future(st.run()): st for st in stages})
             stop_task = asyncio.ensure_future(ctx.stop.wait())
             tasks[stop_task] = None
+            tasks[asyncio.ensure_future(self.roles.lost())] = None  # raises when a role the run needs is gone
             pending = set(tasks)
             while pending and not ctx.stop.is_set():
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -312,7 +353,7 @@ class FlowRuntime:
                     exc = t.exception()
                     if exc is not None:
                         raise exc
-                if not (pending - {stop_task}):
+                if not any(tasks[t] is not None for t in pending):
                     break
         except (KeyboardInterrupt, asyncio.CancelledError):
             interrupted = True
@@ -332,6 +373,8 @@ class FlowRuntime:
             await _quietly(transport.close())
             for r in replicas:
                 await _quietly(r.shutdown())
+            if asyncio.iscoroutinefunction(getattr(reward, "shutdown", None)):  # a remote reward pool
+                await _quietly(reward.shutdown())
             if cfg.trainer.export_final and self.run_dir is not None and error is None and not interrupted \
                     and trainer.version > 0:
                 try:
@@ -363,6 +406,7 @@ class FlowRuntime:
             "counters": {k_: int(v) for k_, v in sorted(ctx.counters.items())},
             "utilisation": timeline.utilisation(sim0, sim0 + sim_s),
         }
+        self.summary = default_redactor().value(self.summary)  # a stop reason may quote a secret
         if self.run_dir is not None:
             timeline.write(self.run_dir)
             (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
@@ -510,7 +554,8 @@ def _sinks(cfg: Any, run_dir: Path | None) -> list[Any]:
             import wandb  # type: ignore[import-not-found]
         except ImportError as exc:
             raise ConfigError("logging.wandb_project needs wandb: pip install wandb") from exc
-        wandb.init(project=cfg.logging.wandb_project, name=cfg.name, config=cfg.model_dump(mode="json", by_alias=True))
+        wandb.init(project=cfg.logging.wandb_project, name=cfg.name,
+                   config=redact_config(cfg.model_dump(mode="json", by_alias=True)))
         sinks.append(lambda step, scalars: wandb.log(scalars, step=step))
     return sinks
 

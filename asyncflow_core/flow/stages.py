@@ -73,8 +73,12 @@ class PromptFeeder(Stage):
     name = "feeder"
     produces = (C.PROMPT_IDS, C.GROUP_ID)
 
-    def __init__(self, dataset: Dataset, tokenizer: Tokenizer, *, epochs: int, shuffle: bool, seed: int) -> None:
+    def __init__(self, dataset: Dataset, tokenizer: Tokenizer, *, epochs: int, shuffle: bool, seed: int,
+                 max_prompts: int | None = None) -> None:
         self.dataset = dataset
+        #: most prompts (net of dropped ones) the run can ever train (total_steps x B): starting more only wastes
+        #: rollout work, and whether they start before the last step ends would depend on timing
+        self.max_prompts = max_prompts
         self.tokenizer = tokenizer
         self.epochs = epochs
         self.shuffle = shuffle
@@ -110,7 +114,7 @@ class PromptFeeder(Stage):
         exhausted = False
         while not ctx.stop.is_set():
             def can_go() -> bool:
-                admit = not exhausted and led.net_started < S.admission_limit(ctx.version, ctx.k, ctx.prompts_per_step)
+                admit = not exhausted and led.net_started < self._limit()
                 return bool(led.requeue) or admit or (exhausted and led.outstanding == 0)
 
             if not can_go():
@@ -122,7 +126,7 @@ class PromptFeeder(Stage):
             while led.requeue:
                 info = led.requeue.popleft()
                 groups.append(led.new_group(info.prompt_uid, info.record, info.attempt))
-            while not exhausted and led.net_started < S.admission_limit(ctx.version, ctx.k, ctx.prompts_per_step):
+            while not exhausted and led.net_started < self._limit():
                 nxt = next(order, None)
                 if nxt is None:
                     exhausted = True
@@ -136,6 +140,11 @@ class PromptFeeder(Stage):
             elif exhausted and led.outstanding == 0 and not led.requeue:
                 await ctx.store.end_stream()
                 return
+
+    def _limit(self) -> int:
+        ctx = self.ctx
+        limit = S.admission_limit(ctx.version, ctx.k, ctx.prompts_per_step)
+        return limit if self.max_prompts is None else min(limit, self.max_prompts)
 
     async def _put(self, groups: list) -> None:
         n = self.ctx.n
@@ -185,6 +194,9 @@ class Replica:
     inflight: dict[str, _Req] = field(default_factory=dict)
     dead: bool = False
     updating: bool = False
+    generation: int = 0  #: +1 per death: work started for an earlier incarnation must not touch this one
+    reviving: bool = False  #: dead, and its engine is being restarted
+    sync_generation: int = -1  #: the incarnation whose weight-sync task is running (one task per incarnation)
 
     @property
     def lane(self) -> str:
@@ -231,6 +243,7 @@ class RolloutStage(Stage):
         self._alive = len(self.replicas)
         self._inflight_total = 0
         self._last_death: str | None = None  #: the error of the replica that died last, for the stop message
+        self.weights_pushed = False  #: a version is staged in the transport (a restarted replica must load it)
 
     def _poke(self) -> None:
         self._wake.set()
@@ -280,7 +293,7 @@ class RolloutStage(Stage):
         ctx = self.ctx
         ctx.listeners.append(self._wake)
         for r in self.replicas:
-            self._spawn(self._weight_sync(r))
+            self._spawn(self._weight_sync(r, r.generation))
         self._spawn(self._stale_watch())
         try:
             while not ctx.stop.is_set():
@@ -312,7 +325,7 @@ class RolloutStage(Stage):
                 t.cancel()
 
     def _all_dead(self) -> bool:
-        return all(r.dead for r in self.replicas)
+        return all(r.dead and not r.reviving for r in self.replicas)
 
     def _dispatch(self) -> None:
         """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
@@ -349,6 +362,7 @@ class RolloutStage(Stage):
     async def _drive(self, r: Replica, reqs: list[_Req]) -> None:
         waiting = {q.request_id: q for q in reqs}
         unknown: list[str] = []
+        gen = r.generation
         try:
             async for res in r.engine.generate([self._request(q) for q in reqs]):
                 if waiting.pop(res.request_id, None) is None:
@@ -357,7 +371,8 @@ class RolloutStage(Stage):
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a dying engine must not take the run down
-            await self._replica_died(r, exc)
+            if r.generation == gen:  # not a late failure of an incarnation already replaced
+                await self._replica_died(r, exc)
             return
         # the contract is one result per request: a request left without one would wait forever (a hang)
         orphans = [q for q in waiting.values() if r.inflight.get(q.request_id) is q]
@@ -392,6 +407,45 @@ class RolloutStage(Stage):
             q.attempt += 1
             q.prefix_ids, q.prefix_lps, q.prefix_versions = (), (), ()
             self._pending.append(q)
+        r.generation += 1
+        if callable(getattr(r.engine, "restart", None)) and not self.ctx.stop.is_set():
+            r.reviving = True  # the engine can be replaced (a launcher's remote replica): do it, then reload weights
+            self._spawn(self._revive(r))
+        self._dispatch()
+        self._poke()
+        await self.ctx.notify()  # its weight-sync task sees the death and ends
+
+    async def _revive(self, r: Replica) -> None:
+        """Replace a dead replica's engine, load the newest staged weights into it, and give it work again."""
+        ctx = self.ctx
+        while True:
+            try:
+                with ctx.timeline.span(r.lane, "restart"):
+                    await r.engine.restart()  # type: ignore[attr-defined]
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - out of restarts (or cannot start): it stays dead
+                r.reviving = False
+                self._last_death = f"replica {r.index}: restart failed: {type(exc).__name__}: {exc}"
+                log.error("rollout replica %d could not be restarted: %s: %s", r.index, type(exc).__name__, exc)
+                self._poke()
+                return
+            try:
+                if self.weights_pushed or ctx.published > r.engine.version:
+                    with ctx.timeline.span(r.lane, "update_weights"):
+                        await self._update(r, min_version=ctx.published)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the new engine failed too: replace it again (restart counts)
+                log.error("rollout replica %d failed loading weights after its restart: %s: %s", r.index,
+                          type(exc).__name__, exc)
+        r.reviving = False
+        r.dead = False
+        self._alive += 1
+        ctx.counters["replicas_restarted"] += 1
+        log.warning("rollout replica %d restarted at version %d", r.index, r.engine.version)
+        self._spawn(self._weight_sync(r, r.generation))
         self._dispatch()
         self._poke()
 
@@ -499,14 +553,24 @@ class RolloutStage(Stage):
 
     # -- weights and staleness -------------------------------------------------------------
 
-    async def _weight_sync(self, r: Replica) -> None:
+    async def _weight_sync(self, r: Replica, gen: int) -> None:
         ctx = self.ctx
-        while not ctx.stop.is_set() and not r.dead:
-            await ctx.wait_for(lambda: ctx.published > r.engine.version or r.dead)
-            if ctx.stop.is_set() or r.dead:
+        if r.sync_generation == gen:
+            return  # already running: a replica restarted before the stage ran gets its task from both places
+        r.sync_generation = gen
+        while not ctx.stop.is_set() and not r.dead and r.generation == gen:
+            await ctx.wait_for(lambda: ctx.published > r.engine.version or r.dead or r.generation != gen)
+            if ctx.stop.is_set() or r.dead or r.generation != gen:
                 return
-            with ctx.timeline.span(r.lane, "update_weights"):
-                await self._update(r)
+            try:
+                with ctx.timeline.span(r.lane, "update_weights"):
+                    await self._update(r)
+            except EngineError as exc:
+                # the engine died or missed the update's deadline: a replaceable replica gets the update again
+                # after its restart; otherwise it is dead like any failed engine
+                if r.generation == gen:
+                    await self._replica_died(r, exc)
+                return
             ctx.counters["weight_updates"] += 1
             self._dispatch()
             self._poke()
@@ -565,6 +629,8 @@ class RolloutStage(Stage):
 
     def close_spans(self) -> None:
         """Record the busy spans still open (replicas generating when the run stopped)."""
+        if not hasattr(self, "ctx"):
+            return  # the run stopped before the stage was bound (an engine failed to start)
         now = self.ctx.clock()
         for idx, since in list(self._busy_since.items()):
             self.ctx.timeline.add(self.replicas[idx].lane, "generate", since, now)
@@ -598,21 +664,28 @@ class RewardStage(Stage):
         gids = batch[C.GROUP_ID].tolist()
         rows = batch.row_ids.tolist() if batch.row_ids is not None else list(range(batch.num_rows))
         out = torch.zeros(batch.num_rows, dtype=torch.float32)
+        samples = []
         for i in range(batch.num_rows):
             info = ctx.ledger.groups.get(int(gids[i]))
             record = info.record if info is not None else None
             completion_ids = resp[i]
-            sample = RewardInput(
+            samples.append(RewardInput(
                 prompt=record.prompt if record else "",
                 completion=self.tokenizer.decode(completion_ids.tolist()) if self.needs_text else "",
                 prompt_token_ids=tuple(prompts[i].tolist()) if self.needs_text else (),
                 completion_token_ids=tuple(completion_ids.tolist()) if self.needs_text else (),
                 metadata=dict(record.metadata) if record else {},
-            )
+            ))
+        score_many = getattr(self.reward, "score_many", None)
+        if callable(score_many):
+            # a remote reward pool scores the whole batch in one round trip: (True, value) or (False, why) each
+            answers = await score_many(samples, self.timeout_s)
+        else:
+            answers = [await self._score_one(sample) for sample in samples]
+        for i, (ok, value) in enumerate(answers):
             try:
-                value = self.reward.score(sample)
-                if inspect.isawaitable(value):
-                    value = await asyncio.wait_for(value, self.timeout_s)
+                if not ok:
+                    raise _Failed(value)
                 if isinstance(value, Mapping):
                     if "reward" not in value:
                         raise ValueError(f"reward {self._label()} returned a mapping without a 'reward' key "
@@ -627,13 +700,24 @@ class RewardStage(Stage):
                         ctx.reward_extra[int(rows[i])] = extra
                     value = value["reward"]
                 out[i] = self._number(value, "value")
-            except asyncio.CancelledError:
-                raise
             except Exception as exc:  # noqa: BLE001 - one sample's failure is recorded, the run goes on
-                why = (f"timed out after {self.timeout_s}s" if isinstance(exc, asyncio.TimeoutError)
-                       else f"{type(exc).__name__}: {exc}")
+                why = str(exc) if isinstance(exc, _Failed) else f"{type(exc).__name__}: {exc}"
                 ctx.fail_rows(self.name, [rows[i]], why)
         return StageOutput({C.REWARD: out})
+
+    async def _score_one(self, sample: RewardInput) -> tuple[bool, Any]:
+        """``(True, value)``, or ``(False, why)`` when the reward raised or timed out."""
+        try:
+            value = self.reward.score(sample)
+            if inspect.isawaitable(value):
+                value = await asyncio.wait_for(value, self.timeout_s)
+            return True, value
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            return False, f"timed out after {self.timeout_s}s"
+        except Exception as exc:  # noqa: BLE001 - recorded on the sample by the caller
+            return False, f"{type(exc).__name__}: {exc}"
 
     def _label(self) -> str:
         return repr(self.reward_name) if self.reward_name else type(self.reward).__name__
@@ -646,6 +730,10 @@ class RewardStage(Stage):
                 return number
         raise ValueError(f"reward {self._label()} returned {what} {value!r}, not a finite number; "
                          "a reward must return a float (or a mapping with a float 'reward')")
+
+
+class _Failed(Exception):
+    """A reward that raised or timed out; the message is already the sample's recorded error."""
 
 
 # ---------------------------------------------------------------------------------------- log-probs

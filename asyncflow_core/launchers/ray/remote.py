@@ -1,0 +1,490 @@
+"""Driver-side proxies: each implements a role's interface by calling its actor, and watches that actor.
+
+Every call races the actor's reply against the actor's death and a
+deadline, so nothing waits forever on a dead or hung actor:
+
+- the actor process dies (``ray.kill``, OOM, a crash): the pending call fails
+  at once with :class:`RoleLost` (Ray reports the dead actor);
+- the actor stops answering: a heartbeat (``health()`` every
+  ``heartbeat_s``) that gets no reply within ``heartbeat_timeout_s``
+  declares it dead, kills it, and fails every pending call with the reason;
+- one call runs past its own deadline (a weight update past
+  ``weight_transport.deadline_s``): :class:`RoleTimeout`, and the actor is
+  killed, because its state is then unknown.
+
+Both errors are :class:`~asyncflow_core.errors.EngineError`: the rollout
+stage treats them like any engine failure (the replica is marked dead, its
+requests are re-queued) and then asks the proxy to :meth:`restart`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import Counter
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from asyncflow_core.errors import EngineError
+from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, TrainEngine
+from asyncflow_core.types import GenerationRequest, GenerationResult, RewardInput, WeightBucket
+
+log = logging.getLogger("asyncflow.ray")
+
+#: a generate poll returns after this long with whatever finished (empty is fine); bounded so death shows quickly
+POLL_S = 1.0
+
+
+class RoleLost(EngineError):
+    """A role's actor died or stopped answering; ``role`` says which (``rollout/0``, ``trainer``, ``reward/1``)."""
+
+    def __init__(self, role: str, reason: str) -> None:
+        super().__init__(f"{role} actor lost: {reason}")
+        self.role = role
+        self.reason = reason
+
+
+class RoleTimeout(RoleLost):
+    """A call to a role's actor ran past its deadline; the actor was killed."""
+
+
+class WatchedActor:
+    """One actor plus its heartbeat; ``call`` never outlives the actor or its deadline."""
+
+    def __init__(self, role: str, make: Callable[[], Any], *, heartbeat_s: float, heartbeat_timeout_s: float,
+                 on_lost: Callable[[RoleLost], None] | None = None) -> None:
+        self.role = role
+        self._make = make
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.on_lost = on_lost
+        self.actor: Any = None
+        self.lost: RoleLost | None = None
+        self._lost_event: asyncio.Event | None = None
+        self._beat: asyncio.Task | None = None
+        self.spawn()
+
+    def spawn(self) -> None:
+        """(Re)create the actor; the heartbeat starts with the first call made on an event loop."""
+        self.actor = self._make()
+        self.lost = None
+        self._lost_event = None
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
+
+    def _event(self) -> asyncio.Event:
+        if self._lost_event is None:
+            self._lost_event = asyncio.Event()
+            if self.lost is not None:
+                self._lost_event.set()
+        if self._beat is None and self.lost is None:
+            self._beat = asyncio.ensure_future(self._heartbeat())
+        return self._lost_event
+
+    def declare_lost(self, err: RoleLost) -> None:
+        if self.lost is not None:
+            return
+        self.lost = err
+        if self._lost_event is not None:
+            self._lost_event.set()
+        log.error("%s", err)
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            log.debug("%s: kill: %s", self.role, exc)
+        if self.on_lost is not None:
+            self.on_lost(err)
+
+    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """``actor.method(*args)``; raises :class:`RoleLost` / :class:`RoleTimeout`, or the backend's own error."""
+        lost_event = self._event()
+        if self.lost is not None:
+            raise self.lost
+        ref = getattr(self.actor, method).remote(*args)
+        reply = asyncio.ensure_future(_resolve(ref))
+        reply.add_done_callback(_retrieve)  # a reply that loses the race to a death still gets its error read
+        lost = asyncio.ensure_future(lost_event.wait())
+        try:
+            done, _ = await asyncio.wait({reply, lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+        if reply in done:
+            try:
+                return reply.result()
+            except ray.exceptions.RayActorError as exc:
+                self.declare_lost(RoleLost(self.role, f"its process died ({_short(exc)})"))
+                raise self.lost from None  # type: ignore[misc]
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                raise cause from None
+        reply.cancel()
+        if self.lost is None and not done:
+            self.declare_lost(RoleTimeout(self.role, f"{method}() did not return within its deadline of {timeout}s"))
+        assert self.lost is not None
+        raise self.lost
+
+    async def _heartbeat(self) -> None:
+        try:
+            while self.lost is None:
+                await asyncio.sleep(self.heartbeat_s)
+                if self.lost is not None:
+                    return
+                try:
+                    await asyncio.wait_for(_resolve(self.actor.health.remote()), self.heartbeat_timeout_s)
+                except TimeoutError:
+                    self.declare_lost(RoleLost(self.role, f"no heartbeat answer within {self.heartbeat_timeout_s}s"))
+                except ray.exceptions.RayActorError as exc:
+                    self.declare_lost(RoleLost(self.role, f"its process died ({_short(exc)})"))
+                except Exception as exc:  # noqa: BLE001 - the backend's health() raised: it is alive, the stage decides
+                    log.debug("%s: health() raised %s", self.role, exc)
+        except asyncio.CancelledError:
+            pass
+
+    def kill(self) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+            self._beat = None
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            log.debug("%s: kill: %s", self.role, exc)
+
+
+async def _resolve(ref: Any) -> Any:
+    return await ref
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+class _Description:
+    """An actor's features, version and pid, asked for at creation and read when first needed.
+
+    Asking without waiting lets every actor of a run boot at once (each
+    imports torch, seconds apiece); only the first reader waits.
+    """
+
+    def __init__(self, watched: WatchedActor) -> None:
+        self.watched = watched
+        self._ref = watched.actor.describe.remote()
+        self._value: dict[str, Any] | None = None
+        self._version: int | None = None
+
+    def get(self) -> dict[str, Any]:
+        if self._value is None:
+            try:
+                self._value = ray.get(self._ref, timeout=self.watched.heartbeat_timeout_s * 5)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                raise RoleLost(self.watched.role, f"it did not start ({_short(exc)})") from None
+        return self._value
+
+    async def fetch(self) -> dict[str, Any]:
+        if self._value is None:
+            self._value = await self.watched.call("describe", timeout=self.watched.heartbeat_timeout_s * 5)
+        return self._value
+
+    @property
+    def version(self) -> int:
+        return int(self.get()["version"]) if self._version is None else self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = int(value)
+
+
+# ------------------------------------------------------------------------------------------ rollout
+
+
+class RemoteRolloutEngine(RolloutEngine):
+    """A :class:`RolloutEngine` whose engine lives in a Ray actor (see :class:`~.actors.RolloutActor`).
+
+    Weight buckets go to the actor through the Ray object store: each bucket
+    is ``ray.put`` once per version and the references are shared by every
+    replica (``bucket_cache``). :meth:`restart` replaces a dead actor with a
+    fresh one in the same placement bundle; the rollout stage then pushes the
+    current weights into it before giving it work.
+    """
+
+    def __init__(self, watched: WatchedActor, *, deadline_s: float, max_restarts: int,
+                 bucket_cache: dict[int, Any], counters: Counter[str]) -> None:
+        self.watched = watched
+        self.deadline_s = deadline_s
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.bucket_cache = bucket_cache  #: (version, index) -> (bucket, ObjectRef), shared by a run's replicas
+        self.counters = counters
+        self._calls = itertools.count()
+        self._desc = _Description(watched)
+        self._shut = False
+        self._submitting: set[asyncio.Future] = set()  #: submit calls sent and not yet returned
+
+    @property
+    def features(self):  # type: ignore[override]
+        return self._desc.get()["features"]
+
+    @property
+    def version(self) -> int:
+        return self._desc.version
+
+    @property
+    def pid(self) -> int:
+        return int(self._desc.get()["pid"])
+
+    @property
+    def actor(self) -> Any:
+        return self.watched.actor
+
+    async def start(self) -> None:
+        """Start the engine; an actor lost while starting is replaced (within ``max_restarts``) and started again."""
+        while True:
+            try:
+                await self._desc.fetch()
+                self._desc.version = int(await self.watched.call("start",
+                                                                 timeout=self.watched.heartbeat_timeout_s * 5))
+                return
+            except RoleLost:
+                await self._replace()
+
+    async def restart(self) -> None:
+        """Replace the actor (dead or not) with a fresh, started one; :class:`EngineError` when out of restarts."""
+        await self._replace()
+        await self.start()
+
+    async def _replace(self) -> None:
+        if self.restarts >= self.max_restarts:
+            raise EngineError(f"{self.watched.role}: no restarts left (launcher.options.max_restarts="
+                              f"{self.max_restarts})")
+        self.restarts += 1
+        self.counters["rollout_actor_restarts"] += 1
+        self.watched.kill()
+        self.watched.spawn()
+        self._desc = _Description(self.watched)
+
+    async def generate(  # type: ignore[override]
+        self, requests: Sequence[GenerationRequest]
+    ) -> AsyncIterator[GenerationResult]:
+        call_id = next(self._calls)
+        submit = asyncio.ensure_future(self.watched.call("submit", call_id, list(requests),
+                                                         timeout=self.watched.heartbeat_timeout_s))
+        self._submitting.add(submit)
+        try:
+            await submit
+        finally:
+            self._submitting.discard(submit)
+        while True:
+            results, done, error = await self.watched.call(
+                "poll", call_id, POLL_S, timeout=POLL_S + self.watched.heartbeat_timeout_s)
+            for res in results:
+                yield res
+            if error is not None:
+                raise error  # the engine's own exception, as an in-process engine would raise it
+            if done:
+                return
+
+    async def _after_submits(self) -> None:
+        """Wait for generate() calls already sent to reach the engine.
+
+        An async actor may start calls out of order. An abort or a pause sent
+        after a submit must find that submit's requests in flight, as it would
+        in process.
+        """
+        if self._submitting:
+            await asyncio.wait(list(self._submitting))
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> list[str]:
+        await self._after_submits()
+        return await self.watched.call("abort", None if request_ids is None else list(request_ids),
+                                       timeout=self.watched.heartbeat_timeout_s)
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        await self._after_submits()
+        await self.watched.call("pause", mode, timeout=self.deadline_s)
+
+    async def resume(self) -> None:
+        await self.watched.call("resume", timeout=self.watched.heartbeat_timeout_s)
+
+    async def update_weights(self, version: int, buckets: AsyncIterable[WeightBucket], *,
+                             kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE) -> None:
+        refs = []
+        async for b in buckets:
+            key = (b.version, b.index)
+            cached = self.bucket_cache.get(key)
+            if cached is not None and cached[0] is b:
+                ref = cached[1]  # the very bucket another replica already put: share its object
+            else:
+                for old in [k for k in self.bucket_cache if k[0] < b.version]:
+                    del self.bucket_cache[old]  # every replica moves forward; older versions are never asked again
+                ref = ray.put(b)
+                self.bucket_cache[key] = (b, ref)  # holding the bucket keeps the identity check sound
+            refs.append(ref)
+        # the actor receives the buckets themselves (Ray resolves top-level arguments only), so pass a list of
+        # references and let the actor fetch them: one copy out of the object store per replica, none through us
+        self._desc.version = int(await self.watched.call("update_weights_refs", version, refs, kv_cache,
+                                                         timeout=self.deadline_s))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.watched.call("sleep", level, timeout=self.deadline_s)
+
+    async def wake_up(self) -> None:
+        await self.watched.call("wake_up", timeout=self.deadline_s)
+
+    async def health(self) -> Health:
+        return await self.watched.call("health", timeout=self.watched.heartbeat_timeout_s)
+
+    async def shutdown(self) -> None:
+        """Shut the engine down inside its actor, then end the actor. Safe to call twice."""
+        if self.watched.lost is None and not self._shut:
+            self._shut = True
+            try:
+                await self.watched.call("shutdown", timeout=30)
+            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
+                log.warning("%s: shutdown: %s", self.watched.role, exc)
+        self.watched.kill()
+
+
+# -------------------------------------------------------------------------------------------- train
+
+
+class RemoteTrainEngine(TrainEngine):
+    """A :class:`TrainEngine` in a Ray actor. Checkpoint paths must be readable by the actor (one host, or shared)."""
+
+    def __init__(self, watched: WatchedActor, *, deadline_s: float, step_timeout_s: float | None = None) -> None:
+        self.watched = watched
+        self.deadline_s = deadline_s
+        self.step_timeout_s = step_timeout_s
+        self._desc = _Description(watched)
+        self._shut = False
+
+    @property
+    def features(self):  # type: ignore[override]
+        return self._desc.get()["features"]
+
+    @property
+    def version(self) -> int:
+        return self._desc.version
+
+    @property
+    def pid(self) -> int:
+        return int(self._desc.get()["pid"])
+
+    @property
+    def actor(self) -> Any:
+        return self.watched.actor
+
+    async def setup(self) -> None:
+        await self._desc.fetch()
+        self._desc.version = int(await self.watched.call("setup"))
+
+    async def compute_logprobs(self, batch: Any, *, values: bool = False) -> Any:
+        return await self.watched.call("compute_logprobs", batch, values, timeout=self.step_timeout_s)
+
+    async def train_step(self, batch: Any, algorithm: Any) -> dict[str, float]:
+        metrics, self._desc.version = await self.watched.call("train_step", batch, algorithm,
+                                                              timeout=self.step_timeout_s)
+        return metrics
+
+    async def export_weights(self, *, bucket_bytes: int) -> AsyncIterator[WeightBucket]:  # type: ignore[override]
+        for b in await self.watched.call("export_weights", bucket_bytes, timeout=self.deadline_s):
+            yield b
+
+    async def save(self, path: Path) -> None:
+        await self.watched.call("save", str(Path(path).resolve()))  # the actor may run elsewhere
+
+    async def load(self, path: Path) -> None:
+        self._desc.version = int(await self.watched.call("load", str(Path(path).resolve())))
+
+    async def export_pretrained(self, path: Path) -> None:
+        await self.watched.call("export_pretrained", str(Path(path).resolve()))
+
+    async def shutdown(self) -> None:
+        """Shut the engine (and its ranks) down inside the actor, then end the actor. Safe to call twice."""
+        if self.watched.lost is None and not self._shut:
+            self._shut = True
+            try:
+                await self.watched.call("shutdown", timeout=60)
+            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
+                log.warning("%s: shutdown: %s", self.watched.role, exc)
+        self.watched.kill()
+
+
+# ------------------------------------------------------------------------------------------- reward
+
+
+class RemoteRewardPool:
+    """A reward whose scoring runs in a pool of Ray actors, one batch per call.
+
+    The reward stage hands it a whole leased batch (``score_many``); the batch
+    goes to the least busy worker. A worker that dies is replaced (up to
+    ``max_restarts`` times per worker) and the batch is scored again on
+    another: the stage still holds the rows' lease, so nothing is lost or
+    scored into the store twice.
+    """
+
+    def __init__(self, workers: list[WatchedActor], *, max_restarts: int, counters: Counter[str]) -> None:
+        self.workers = workers
+        self.busy = [0] * len(workers)
+        self.restarts = [0] * len(workers)
+        self.max_restarts = max_restarts
+        self.counters = counters
+        self._desc = _Description(workers[0])
+
+    @property
+    def needs_text(self) -> bool:
+        """Whether the reward reads decoded text (the reward stage skips decoding when not)."""
+        return bool(self._desc.get()["needs_text"])
+
+    def score(self, sample: RewardInput) -> Any:
+        return self._one(sample)
+
+    async def _one(self, sample: RewardInput) -> Any:
+        [(ok, value)] = await self.score_many([sample], timeout_s=3600.0)
+        if not ok:
+            raise RuntimeError(value)
+        return value
+
+    async def score_many(self, samples: list[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
+        """``(True, value)`` or ``(False, why)`` per sample; retried on another worker when one dies."""
+        last: RoleLost | None = None
+        for _ in range(len(self.workers) * (self.max_restarts + 1) + 1):
+            for i, w in enumerate(self.workers):
+                if w.lost is not None and self.restarts[i] < self.max_restarts:
+                    last = w.lost  # died between batches (its heartbeat found out): replace it now
+                    self._replace(i)
+            alive = [i for i, w in enumerate(self.workers) if w.lost is None]
+            if not alive:
+                break
+            i = min(alive, key=lambda j: self.busy[j])
+            w = self.workers[i]
+            self.busy[i] += 1
+            try:
+                # a whole batch may take timeout_s per sample, plus the heartbeat's grace
+                return await w.call("score_many", samples, timeout_s,
+                                    timeout=timeout_s * max(1, len(samples)) + w.heartbeat_timeout_s)
+            except RoleLost as exc:
+                last = exc
+                self.counters["reward_batches_retried"] += 1
+            finally:
+                self.busy[i] -= 1
+        raise EngineError(f"every reward worker died (last: {last}); see launcher.options.max_restarts")
+
+    def _replace(self, i: int) -> None:
+        self.restarts[i] += 1
+        self.counters["reward_actor_restarts"] += 1
+        self.workers[i].kill()
+        self.workers[i].spawn()
+
+    async def shutdown(self) -> None:
+        for w in self.workers:
+            w.kill()
