@@ -105,9 +105,10 @@ def config_show(
 ) -> None:
     """Print the validated config with every default (plugin options included) filled in."""
     from asyncflow_core.config import load_config, resolve
+    from asyncflow_core.config.redact import redact_config
 
     resolved = resolve(load_config(file, overrides or []))
-    print(yaml.safe_dump(resolved.dump(), sort_keys=False), end="")
+    print(yaml.safe_dump(redact_config(resolved.dump()), sort_keys=False), end="")
     for section, why in resolved.unchecked.items():
         err.print(f"note: {section} not checked: {why}")
 
@@ -153,6 +154,14 @@ def _run(file: Path | None, overrides: list[str] | None, run_dir: Path | None, p
     elif file is None:
         raise ConfigError("give a run config (YAML), or --resume RUN_DIR to continue a run")
     cfg = load_config(file, overrides or [])
+    if resume is not None:
+        from asyncflow_core.config.redact import redacted_paths
+
+        left = redacted_paths(cfg.model_dump(mode="json", by_alias=True))
+        if left:
+            raise ConfigError(
+                f"--resume {resume}: its config.yaml holds redacted secrets at {', '.join(left)}; give each again "
+                f"as an override ({left[0]}=...) or have the plugin read it from an environment variable")
     logging.basicConfig(level=cfg.logging.level, format="%(levelname)s %(name)s: %(message)s")
     resolved = resolve(cfg)
     target = _run_dir(cfg, run_dir)
@@ -177,7 +186,7 @@ def run_cmd(
     resume: Annotated[Path | None, typer.Option(
         help="Continue the run in this directory from its newest checkpoint (its config.yaml, plus overrides).")] = None,
 ) -> None:
-    """Run RL training as the config describes (the local launcher: one process, asyncio)."""
+    """Run RL training as the config describes, with the launcher it names (local: one process; ray: Ray actors)."""
     _run(file, overrides, run_dir, progress, virtual=False, resume=resume)
 
 
@@ -215,8 +224,19 @@ def spec_cmd(
     option: Annotated[
         list[str] | None, typer.Option("--option", "-o", help="Backend option key=value (YAML value); repeatable.")
     ] = None,
+    report: Annotated[
+        Path | None, typer.Option("--report", help="Write a markdown feature table: declared flags, test results.")
+    ] = None,
+    report_json: Annotated[
+        Path | None, typer.Option("--json", help="Write the same report as JSON, for scripts.")
+    ] = None,
 ) -> None:
-    """Run the conformance suite against an installed plugin. Extra arguments go to pytest."""
+    """Run the conformance suite against an installed plugin. Extra arguments go to pytest.
+
+    The exit code is pytest's. With --report / --json the results are also
+    written as a feature table (see docs/spec.md).
+    """
+    targets = {flag: _writable(path, flag) for flag, path in (("--report", report), ("--json", report_json)) if path}
     pm = get_plugin_manager()
     try:
         import asyncflow_spec  # noqa: F401
@@ -261,10 +281,37 @@ def spec_cmd(
                 """
             )
         )
-        cmd = [sys.executable, "-m", "pytest", str(module), "-p", "no:cacheprovider", "-q", *ctx.args]
+        reporting: list[str] = []
+        if targets:
+            # stale files from an earlier run must not pass for this run's report
+            for path in targets.values():
+                path.unlink(missing_ok=True)
+            reporting = ["-p", "asyncflow_spec.report"]
+            if "--report" in targets:
+                reporting += ["--spec-report", str(targets["--report"])]
+            if "--json" in targets:
+                reporting += ["--spec-report-json", str(targets["--json"])]
+        cmd = [sys.executable, "-m", "pytest", str(module), "-p", "no:cacheprovider", "-q", *reporting, *ctx.args]
         env = dict(os.environ)
         result = subprocess.run(cmd, cwd=tmp, env=env, check=False)
+    for flag, path in targets.items():
+        if path.is_file():
+            err.print(f"{flag}: wrote {path}")
+        else:
+            err.print(f"{flag}: no report written (pytest exited {result.returncode} before the session ended)")
     raise typer.Exit(result.returncode)
+
+
+def _writable(path: Path, flag: str) -> Path:
+    """``path`` made absolute (pytest runs elsewhere); a one-line error unless a file can be written there."""
+    path = path.expanduser().resolve()
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name, e.g. {path / 'report.md'}")
+    if not path.parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {path.parent} does not exist; create it or pick another path")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable; pick a path you can write to")
+    return path
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -272,7 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)  # standalone: click prints its own usage errors and exits
     except AsyncflowError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        from asyncflow_core.config.redact import default_redactor
+
+        print(f"error: {default_redactor().text(str(exc))}", file=sys.stderr)
         sys.exit(exc.exit_code)
 
 

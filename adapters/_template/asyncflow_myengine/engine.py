@@ -1,0 +1,268 @@
+"""``myengine``: the RolloutEngine contract (asyncflow_core/interfaces/rollout.py) on a tiny GRU model.
+
+Read the interface's docstrings next to this file: each method below says in
+a comment which clause of the contract it implements. To adapt the template
+to your engine, keep the bookkeeping (request states, abort flags, the pause
+events, the version snapshot per step) and replace ``_decode_step`` and
+``_load`` with calls into your engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncflow_core.errors import EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
+from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
+from asyncflow_core.types.sampling import sampling_logprobs
+from asyncflow_myengine.config import FEATURES, MyEngineConfig
+from asyncflow_myengine.model import TinyGRULM, build
+
+
+@dataclass
+class _Request:
+    """One request in flight: what was generated so far and the model state to continue from."""
+
+    request: GenerationRequest
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # tokens the model has not consumed yet
+    cache: torch.Tensor | None = None  # hidden state after the consumed tokens (a KV cache elsewhere)
+    cache_version: int = -1  # the weights that computed ``cache``
+    aborted: bool = False
+    finish: FinishReason | None = None
+
+
+class MyEngine(RolloutEngine):
+    """Serves one policy replica: every ``generate`` call decodes its requests together, one token per step.
+
+    The event loop runs between steps (the model runs in a worker thread), so
+    ``abort``, ``pause`` and ``update_weights`` take effect at step
+    boundaries: the safe point where no token is sampled from a mix of versions.
+    """
+
+    def __init__(self, config: MyEngineConfig) -> None:
+        self.config = config
+        self._model: TinyGRULM | None = None
+        self._version = 0
+        self._kv_policy = KVCachePolicy.RECOMPUTE
+        self._requests: dict[str, _Request] = {}
+        self._accepting = asyncio.Event()  # cleared by pause(): new requests wait for resume()
+        self._accepting.set()
+        self._idle = asyncio.Event()  # set when no request is in flight
+        self._idle.set()
+        self._generator = torch.Generator().manual_seed(config.sampling_seed)
+        # one decoding step at a time across generate() calls: they share the model and the generator
+        self._step_lock = asyncio.Lock()
+        self._closed = False
+
+    # -- identity ------------------------------------------------------------------------------------
+
+    @property
+    def features(self) -> RolloutFeatures:
+        return FEATURES
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        # contract: load the model; a failure is an EngineError with the reason
+        try:
+            self._model = await asyncio.to_thread(
+                build, self.config.vocab_size, self.config.hidden_size, self.config.seed, self.config.device
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise EngineError(f"myengine could not load its model on {self.config.device!r}: {exc}") from exc
+
+    def _started(self) -> TinyGRULM:
+        if self._closed:
+            raise EngineError("myengine was shut down; build a new engine")
+        if self._model is None:
+            raise EngineError("call start() before using myengine")
+        return self._model
+
+    # -- generation ----------------------------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
+        self._started()
+        # contract: a duplicate id among in-flight requests is a ValueError before anything is generated
+        ids = [r.request_id for r in requests]
+        dupes = sorted({i for i in ids if ids.count(i) > 1} | (set(ids) & set(self._requests)))
+        if dupes:
+            raise ValueError(f"duplicate request ids in flight: {dupes}")
+        for r in requests:
+            bad = [t for t in (*r.prompt_token_ids, *r.prefix_token_ids) if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ValueError(f"request {r.request_id!r} has token ids outside [0, {self.config.vocab_size}): "
+                                 f"{bad[:5]}; raise vocab_size in the engine's options")
+        await self._accepting.wait()  # paused: new requests wait for resume()
+        mine = [self._admit(r) for r in requests]
+        self._idle.clear()
+        try:
+            while mine:
+                live = [s for s in mine if not s.aborted]
+                if live:
+                    # snapshot the weights and their version: an update landing during this step is
+                    # used from the next step on, so every token carries the version that sampled it
+                    async with self._step_lock:
+                        model, version = self._started(), self._version
+                        await asyncio.to_thread(self._decode_step, model, version, live)
+                for s in [s for s in mine if s.aborted or s.finish is not None]:
+                    mine.remove(s)
+                    del self._requests[s.request.request_id]
+                    yield self._result(s)
+                await asyncio.sleep(0)  # the safe point: abort / pause / update_weights act here
+        finally:
+            for s in mine:  # the consumer stopped iterating: forget what it will never read
+                self._requests.pop(s.request.request_id, None)
+            if not self._requests:
+                self._idle.set()
+
+    def _admit(self, r: GenerationRequest) -> _Request:
+        sp = r.sampling
+        # contract (SamplingParams): a per-request seed gets its own generator; None draws from the engine's
+        generator = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self._generator
+        state = _Request(
+            r,
+            generator,
+            # contract (supports_resume_prefix): continue after the aborted attempt's tokens and return them
+            tokens=list(r.prefix_token_ids),
+            logprobs=list(r.prefix_logprobs),
+            versions=list(r.prefix_versions),
+            pending=[*r.prompt_token_ids, *r.prefix_token_ids],
+        )
+        if len(state.tokens) >= sp.max_new_tokens:
+            state.finish = FinishReason.LENGTH
+        self._requests[r.request_id] = state
+        return state
+
+    def _decode_step(self, model: TinyGRULM, version: int, states: list[_Request]) -> None:
+        """One token for every live request (runs in a worker thread; replace with your engine's step)."""
+        with torch.no_grad():
+            for s in states:
+                if s.finish is not None:
+                    continue
+                if s.cache is not None and s.cache_version != version and self._kv_policy is KVCachePolicy.RECOMPUTE:
+                    # the weights changed under this request: recompute its state with the new ones
+                    s.cache, s.pending = None, [*s.request.prompt_token_ids, *s.tokens]
+                tokens = torch.tensor([s.pending], dtype=torch.long, device=self.config.device)
+                logits, s.cache = model(tokens, s.cache)
+                s.cache_version, s.pending = version, []
+                sp = s.request.sampling
+                # the shared log-prob convention: temperature, top-k, top-p, renormalised (SamplingParams)
+                logp = sampling_logprobs(logits[0, -1].float().cpu(), sp.temperature, sp.top_p, sp.top_k)
+                token = int(torch.multinomial(logp.exp(), 1, generator=s.generator))
+                s.tokens.append(token)
+                s.logprobs.append(float(logp[token]))
+                s.versions.append(version)
+                s.pending.append(token)
+                if token in sp.stop_token_ids:
+                    s.finish = FinishReason.STOP
+                elif len(s.tokens) >= sp.max_new_tokens:
+                    s.finish = FinishReason.LENGTH
+
+    @staticmethod
+    def _result(s: _Request) -> GenerationResult:
+        # contract: aborted requests come out of generate() with finish reason ABORT and their partial tokens
+        reason = FinishReason.ABORT if s.aborted and s.finish is None else s.finish
+        r = s.request
+        return GenerationResult(
+            request_id=r.request_id,
+            prompt_token_ids=r.prompt_token_ids,
+            token_ids=tuple(s.tokens),
+            logprobs=tuple(s.logprobs),
+            versions=tuple(s.versions),
+            finish_reason=reason,
+            metadata=r.metadata,
+        )
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> list[str]:
+        # contract: mark them; the generate() call that owns them hands back the partial results;
+        # return only the ids actually aborted (unknown and finished ones are ignored)
+        targets = list(self._requests) if request_ids is None else [i for i in request_ids if i in self._requests]
+        targets = [i for i in targets if self._requests[i].finish is None]
+        for rid in targets:
+            self._requests[rid].aborted = True
+        return targets
+
+    # -- pause, weights, memory ----------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        mode = PauseMode(mode)
+        if mode is PauseMode.KEEP:
+            raise UnsupportedFeatureError("myengine cannot hold requests mid-flight (supports_pause_keep=False); "
+                                          "use pause(ABORT) or pause(WAIT)")
+        self._started()
+        self._accepting.clear()
+        if mode is PauseMode.ABORT:
+            await self.abort(None)
+        await self._idle.wait()  # returns once quiescent: no token is sampled until resume()
+
+    async def resume(self) -> None:
+        self._accepting.set()
+
+    async def update_weights(
+        self, version: int, buckets: AsyncIterable[WeightBucket], *, kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE
+    ) -> None:
+        model = self._started()
+        # build the new weights aside: a bad bucket leaves the old weights and version in force
+        expected = {name: p.shape for name, p in model.state_dict().items()}
+        received: dict[str, torch.Tensor] = {}
+        async for bucket in buckets:
+            bucket.verify()  # contract: verified before use (raises WeightTransferError)
+            if bucket.version != version:
+                raise WeightTransferError(f"bucket {bucket.index} is of version {bucket.version}, not {version}")
+            for name, tensor in bucket.tensors():
+                if name not in expected:
+                    raise WeightTransferError(f"unknown parameter {name!r}; myengine has {sorted(expected)}")
+                if tuple(tensor.shape) != tuple(expected[name]):
+                    raise WeightTransferError(f"{name}: shape {tuple(tensor.shape)}, myengine expects "
+                                              f"{tuple(expected[name])}")
+                received[name] = tensor.clone()  # bucket tensors are views of a buffer the sender may reuse
+        missing = sorted(set(expected) - set(received))
+        if missing:
+            raise WeightTransferError(f"update to version {version} lacks {missing}; a version must be complete")
+        new_model = await asyncio.to_thread(self._load, model, received)
+        # no await between these lines: the next decoding step sees both or neither
+        self._model, self._version, self._kv_policy = new_model, version, KVCachePolicy(kv_cache)
+
+    @staticmethod
+    def _load(model: TinyGRULM, tensors: dict[str, torch.Tensor]) -> TinyGRULM:
+        """A copy of ``model`` holding ``tensors`` (replace with your engine's weight loader)."""
+        fresh = copy.deepcopy(model)
+        fresh.load_state_dict(tensors, strict=True)
+        return fresh
+
+    async def sleep(self, level: int = 1) -> None:
+        raise UnsupportedFeatureError("myengine has no device memory to release (supports_sleep=False)")
+
+    async def wake_up(self) -> None:
+        raise UnsupportedFeatureError("myengine has no device memory to release (supports_sleep=False)")
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def health(self) -> Health:
+        # contract: cheap, never waits on generation
+        if self._closed:
+            return Health(ok=False, detail="shut down")
+        if self._model is None:
+            return Health(ok=False, detail="not started")
+        paused = not self._accepting.is_set()
+        return Health(ok=True, detail="paused" if paused else "", in_flight=len(self._requests))
+
+    async def shutdown(self) -> None:
+        # contract: abort what is in flight, free resources; safe to call twice
+        if self._closed:
+            return
+        await self.abort(None)
+        self._accepting.set()  # requests waiting for resume() run into the closed engine's error
+        self._closed = True
+        self._model = None
