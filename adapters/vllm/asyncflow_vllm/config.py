@@ -64,8 +64,11 @@ class VLLMRolloutConfig(BaseModel):
     gpu_memory_utilization: float = Field(
         0.9, gt=0, le=1, description="Fraction of GPU memory vLLM may take (weights + KV cache); GPU only."
     )
-    cpu_kv_cache_gb: float = Field(
-        1.0, gt=0, description="KV-cache size in GiB on CPU (sets VLLM_CPU_KVCACHE_SPACE for the engine process)."
+    cpu_kv_cache_gb: int = Field(
+        1,
+        ge=1,
+        description="KV-cache size in whole GiB on CPU (sets VLLM_CPU_KVCACHE_SPACE, which vLLM reads as an integer, "
+        "unless it is already set; the first engine started in a process decides it for all).",
     )
     enforce_eager: bool = Field(True, description="Run the model eagerly (no CUDA graphs / torch.compile).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -191,7 +191,7 @@ class VLLMRolloutEngine(RolloutEngine):
         for key, value in _ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         if self.device == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kv_cache_gb:g}")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.cpu_kv_cache_gb))
         model_dir = await asyncio.to_thread(self._prepare_model)
         try:
             import vllm
@@ -226,7 +226,7 @@ class VLLMRolloutEngine(RolloutEngine):
             ) from None
         except Exception as exc:  # noqa: BLE001 - e.g. the model does not fit: vLLM says why
             self._cleanup_model_dir()
-            raise EngineError(f"vLLM could not start the model ({type(exc).__name__}: {_first_line(exc)})") from exc
+            raise EngineError(f"vLLM could not start the model ({type(exc).__name__}: {_brief(exc)})") from exc
         await self._llm.update_weight_version(str(self._version))
 
     def _prepare_model(self) -> str:
@@ -776,6 +776,12 @@ def _result(
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _brief(exc: BaseException, lines: int = 3) -> str:
+    """The first few non-empty lines of an error on one line (pydantic's say which field and why on line 2)."""
+    parts = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+    return "; ".join(parts[:lines])[:600] or type(exc).__name__
 
 
 def _is_engine_dead(exc: BaseException) -> bool:

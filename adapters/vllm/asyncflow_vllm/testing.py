@@ -25,7 +25,7 @@ def tiny_options(**overrides: Any) -> dict[str, Any]:
     options: dict[str, Any] = {
         "model": {"hf_config": dict(TINY_QWEN2)},
         "device": "cpu",
-        "cpu_kv_cache_gb": 1.0,
+        "cpu_kv_cache_gb": 1,
         "max_num_seqs": 32,
         "max_model_len": 512,
         "seed": 0,

@@ -228,6 +228,20 @@ def test_version_range_and_options_are_checked():
         pm.create("rollout_engine", "vllm", {**tiny_options(), "model": None})
 
 
+def test_a_model_vllm_cannot_start_is_an_engine_error_with_its_reason():
+    """vLLM refusing the model (here: a context longer than the model's positions) is one EngineError saying why."""
+
+    async def body():
+        eng = get_plugin_manager().create("rollout_engine", "vllm", tiny_options(max_model_len=100_000))
+        try:
+            with pytest.raises(EngineError, match=r"could not start the model.*max_model_len \(100000\)"):
+                await eng.start()
+        finally:
+            await eng.shutdown()
+
+    asyncio.run(asyncio.wait_for(body(), 240))
+
+
 def test_an_engine_process_that_dies_is_an_engine_error():
     """Killing vLLM's engine process mid-generation ends generate() with EngineError and health says why."""
     psutil = pytest.importorskip("psutil")
