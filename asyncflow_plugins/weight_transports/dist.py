@@ -41,6 +41,7 @@ the source sends (a broadcast needs every rank), whether or not a
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import socket
 import threading
@@ -84,6 +85,27 @@ class Announcement(BaseModel):
 def chunk_ranges(total: int, chunk: int) -> list[tuple[int, int]]:
     """``(start, end)`` of each broadcast message over a payload of ``total`` bytes; both sides compute it."""
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+
+
+#: background threads still inside the group's constructor (waiting for peers), and until when they may wait
+_JOINING: dict[threading.Thread, float] = {}
+_JOINING_LOCK = threading.Lock()
+
+
+@atexit.register
+def _wait_for_joins() -> None:
+    """At exit, let a join attempt that is still waiting for peers finish (it gives up at its join timeout).
+
+    Such a thread is blocked in torch's C++ constructor with the GIL released;
+    if the interpreter were already finalising when that call returns, the
+    thread could not take the GIL back and the process would abort. atexit
+    runs before finalisation, so waiting here (at most the join timeout
+    left) lets the thread end cleanly.
+    """
+    with _JOINING_LOCK:
+        pending = list(_JOINING.items())
+    for thread, until in pending:
+        thread.join(max(0.0, until - time.monotonic()) + 5.0)
 
 
 class _Group:
@@ -154,6 +176,9 @@ class DistWeightTransport(WeightTransport):
     # --------------------------------------------------------- the background thread
 
     def _run(self) -> None:
+        me = threading.current_thread()
+        with _JOINING_LOCK:
+            _JOINING[me] = time.monotonic() + self.config.join_timeout_s
         try:
             self._group = _Group(self.config)
         except Exception as exc:  # noqa: BLE001 - reported by send/receive
@@ -161,6 +186,8 @@ class DistWeightTransport(WeightTransport):
                                f"{self.config.port}: {exc}"
             return
         finally:
+            with _JOINING_LOCK:
+                _JOINING.pop(me, None)
             self._joined.set()
         if self.config.backend == "nccl":
             torch.cuda.set_device(self._group.device)
