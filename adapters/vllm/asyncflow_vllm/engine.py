@@ -76,6 +76,8 @@ _ENV_DEFAULTS = {
     "HF_HUB_OFFLINE": "1",
     # vLLM logs every pause, resume and cache reset at INFO: one update per step would drown the run's output
     "VLLM_LOGGING_LEVEL": "WARNING",
+    # vLLM logs to stdout by default, which belongs to the program (a benchmark's --json, a pipe)
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
 }
 
 
