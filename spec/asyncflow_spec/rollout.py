@@ -27,6 +27,9 @@ class RolloutEngineSpec(BackendSpec):
     kind = PluginKind.ROLLOUT_ENGINE
     prompt_token_ids: ClassVar[tuple[int, ...]] = (1, 2, 3)
     max_new_tokens: ClassVar[int] = 8
+    #: length of the requests held across ``pause(KEEP)``: long enough that they are still decoding when the
+    #: pause lands (a round trip after the submit for an engine behind an RPC), short enough to finish in seconds
+    held_new_tokens: ClassVar[int] = 2_000
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Every tensor of an update the engine accepts (names, shapes and dtypes of its model); None skips."""
@@ -138,12 +141,14 @@ class RolloutEngineSpec(BackendSpec):
         async def body():
             engine = await self.started(make_backend)
             try:
-                reqs = [self.request(f"k{i}", max_new_tokens=50) for i in range(2)]
+                # engines cap the length at their context window; see held_new_tokens
+                reqs = [self.request(f"k{i}", max_new_tokens=self.held_new_tokens) for i in range(2)]
                 task = asyncio.ensure_future(_collect(engine.generate(reqs)))
                 await asyncio.sleep(0)
                 await engine.pause(PauseMode.KEEP)
                 for _ in range(5):
                     await asyncio.sleep(0)
+                await asyncio.sleep(0.05)  # and over wall time, for engines that sample off the event loop
                 assert not task.done(), "requests finished while the engine was paused with KEEP"
                 await engine.resume()
                 results = await task

@@ -79,6 +79,7 @@ class TestSGLangSpec(RolloutEngineSpec):
 
     backend = "sglang"
     max_new_tokens = 8
+    held_new_tokens = 300  # the fake streams a token every ~2 ms: the pause lands well before 300
     options = {"weight_sync": {"backend": "gloo", "group_timeout_s": 60.0}}
 
     def weights(self):
