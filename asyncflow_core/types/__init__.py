@@ -5,7 +5,14 @@ from asyncflow_core.types.batch import Batch, Column
 from asyncflow_core.types.generation import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from asyncflow_core.types.ragged import RaggedTensor
 from asyncflow_core.types.records import PromptRecord, RewardInput, RewardOutput
-from asyncflow_core.types.weights import TensorMeta, WeightBucket, buffer_checksum, pack_buckets
+from asyncflow_core.types.weights import (
+    ModelTensors,
+    TensorMeta,
+    WeightBucket,
+    buffer_checksum,
+    collect_update,
+    pack_buckets,
+)
 
 __all__ = [
     "Batch",
@@ -13,6 +20,7 @@ __all__ = [
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",
+    "ModelTensors",
     "PromptRecord",
     "RaggedTensor",
     "RewardInput",
@@ -21,5 +29,6 @@ __all__ = [
     "TensorMeta",
     "WeightBucket",
     "buffer_checksum",
+    "collect_update",
     "pack_buckets",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +148,109 @@ def pack_buckets(
         size += nbytes
         current = nxt
     yield flush(last=True)
+
+
+class ModelTensors:
+    """What a rollout engine's model takes in a weight update: every name with its shape and dtype, and tied names.
+
+    Names are the model's ``state_dict`` keys (Hugging Face names for the
+    shipped engines). A tied group (one tensor under several names, e.g. the
+    input embedding and the output projection) is covered by any one of its
+    names. Build it with :meth:`of` from the model's named tensors, which
+    finds the tied groups by tensor identity.
+    """
+
+    def __init__(self, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 tied: Iterable[Iterable[str]] = ()) -> None:
+        self.specs = {name: (tuple(shape), dtype) for name, (shape, dtype) in specs.items()}
+        self.group_of: dict[str, int] = {}
+        for i, group in enumerate(tied):
+            for name in group:
+                if name not in self.specs:
+                    raise ValueError(f"tied name {name!r} is not one of the model's tensors")
+                self.group_of[name] = i
+
+    @classmethod
+    def of(cls, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> ModelTensors:
+        """From ``name -> tensor`` (parameters and buffers); names of the same tensor object form a tied group."""
+        items = list(named.items() if isinstance(named, Mapping) else named)
+        by_id: dict[int, list[str]] = {}
+        for name, t in items:
+            by_id.setdefault(id(t), []).append(name)
+        return cls({name: (tuple(t.shape), t.dtype) for name, t in items},
+                   [names for names in by_id.values() if len(names) > 1])
+
+    @property
+    def tied_groups(self) -> list[list[str]]:
+        """Each tied group's names, in the model's order (only groups of two or more)."""
+        groups: dict[int, list[str]] = {}
+        for name in self.specs:
+            if name in self.group_of:
+                groups.setdefault(self.group_of[name], []).append(name)
+        return list(groups.values())
+
+    def check(self, meta: TensorMeta) -> None:
+        """Raise :class:`WeightTransferError` unless ``meta`` names a tensor of the model with its shape and dtype."""
+        expected = self.specs.get(meta.name)
+        if expected is None:
+            example = next(iter(self.specs), "")
+            raise WeightTransferError(
+                f"{meta.name!r} is not a tensor of this model (names are the model's state_dict keys, "
+                f"e.g. {example!r})"
+            )
+        shape, dtype = expected
+        if tuple(meta.shape) != shape:
+            raise WeightTransferError(f"{meta.name}: shape {tuple(meta.shape)} does not match the model's {shape}")
+        if meta.dtype != dtype_name(dtype):
+            raise WeightTransferError(
+                f"{meta.name}: dtype {meta.dtype} does not match the model's {dtype_name(dtype)} "
+                "(export weights in the model's dtype)"
+            )
+
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """The model's tensors that ``names`` leave unset (a tied group counts as set when any of its names is)."""
+        sent = set(names)
+        groups = {self.group_of[n] for n in sent if n in self.group_of}
+        return [n for n in self.specs if n not in sent and self.group_of.get(n, -1) not in groups]
+
+
+async def collect_update(version: int, buckets: AsyncIterable[WeightBucket], *,
+                         model: ModelTensors | None = None) -> list[WeightBucket]:
+    """Every bucket of the update to ``version``, checked before anything of it is applied.
+
+    The checks a rollout engine owes the weight-update contract (a refused
+    update changes nothing): each bucket's checksum; every bucket of
+    ``version``; no tensor sent twice; a final bucket marked ``last``; and,
+    with ``model``, every name known with the model's shape and dtype and
+    every tensor of the model covered. Raises :class:`WeightTransferError`
+    saying which check failed.
+    """
+    received: list[WeightBucket] = []
+    names: set[str] = set()
+    async for bucket in buckets:
+        bucket.verify()
+        if bucket.version != version:
+            raise WeightTransferError(
+                f"bucket {bucket.index} belongs to version {bucket.version}, not to the update to version {version}"
+            )
+        for meta in bucket.metas:
+            if model is not None:
+                model.check(meta)
+            if meta.name in names:
+                raise WeightTransferError(f"{meta.name!r} was sent twice in the update to version {version}")
+            names.add(meta.name)
+        received.append(bucket)
+    if not received:
+        raise WeightTransferError(f"the update to version {version} carried no weight buckets")
+    if not received[-1].last:
+        raise WeightTransferError(f"the update to version {version} ended before its last bucket")
+    if model is not None:
+        missing = model.missing(names)
+        if missing:
+            raise WeightTransferError(
+                f"the update to version {version} left {len(missing)} of the model's tensors unset, e.g. {missing[:3]}"
+            )
+    return received
 
 
 def _align(n: int) -> int:

@@ -51,10 +51,16 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.config.models import ModelConfig
-from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
-from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
-from asyncflow_core.types.weights import dtype_name
+from asyncflow_core.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    ModelTensors,
+    WeightBucket,
+    collect_update,
+)
 from asyncflow_core.types.sampling import sampling_logprobs
 
 FEATURES = RolloutFeatures(
@@ -394,45 +400,9 @@ class TorchRolloutEngine(RolloutEngine):
         await asyncio.shield(asyncio.ensure_future(self._install(version, received, kv_cache)))
 
     async def _receive(self, version: int, buckets: AsyncIterable[WeightBucket]) -> dict[str, torch.Tensor]:
-        """Every tensor of the update, checked against the model; nothing is applied here."""
-        received: dict[str, torch.Tensor] = {}
-        count = 0
-        async for bucket in buckets:
-            count += 1
-            bucket.verify()
-            if bucket.version != version:
-                raise WeightTransferError(
-                    f"bucket {bucket.index} belongs to version {bucket.version}, not to the update to version {version}"
-                )
-            for name, tensor in bucket.tensors():
-                target = self._params.get(name)
-                if target is None:
-                    example = next(iter(self._params), "")
-                    raise WeightTransferError(
-                        f"{name!r} is not a tensor of this model (names are state_dict keys, e.g. {example!r})"
-                    )
-                if name in received:
-                    raise WeightTransferError(f"{name!r} was sent twice in the update to version {version}")
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise WeightTransferError(
-                        f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(target.shape)}"
-                    )
-                if tensor.dtype != target.dtype:
-                    raise WeightTransferError(
-                        f"{name}: dtype {dtype_name(tensor.dtype)} does not match the model's "
-                        f"{dtype_name(target.dtype)} (export weights in model.dtype)"
-                    )
-                received[name] = tensor
-        if count == 0:
-            raise WeightTransferError(f"the update to version {version} carried no weight buckets")
-        # tied weights (one tensor under several names) are covered by any of their names
-        covered = {id(self._params[name]) for name in received}
-        missing = [name for name, t in self._params.items() if id(t) not in covered]
-        if missing:
-            raise WeightTransferError(
-                f"the update to version {version} left {len(missing)} of the model's tensors unset, e.g. {missing[:3]}"
-            )
-        return received
+        """Every tensor of the update, checked against the model (tied weights count under any name); none applied."""
+        checked = await collect_update(version, buckets, model=ModelTensors.of(self._params))
+        return {name: tensor for bucket in checked for name, tensor in bucket.tensors()}
 
     async def _install(self, version: int, received: dict[str, torch.Tensor], kv_cache: KVCachePolicy) -> None:
         async with self._lock:

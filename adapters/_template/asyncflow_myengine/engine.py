@@ -16,9 +16,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncflow_core.errors import EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.errors import EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
-from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
+from asyncflow_core.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    ModelTensors,
+    WeightBucket,
+    collect_update,
+)
 from asyncflow_core.types.sampling import sampling_logprobs
 from asyncflow_myengine.config import FEATURES, MyEngineConfig
 from asyncflow_myengine.model import TinyGRULM, build
@@ -213,23 +220,12 @@ class MyEngine(RolloutEngine):
         self, version: int, buckets: AsyncIterable[WeightBucket], *, kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE
     ) -> None:
         model = self._started()
-        # build the new weights aside: a bad bucket leaves the old weights and version in force
-        expected = {name: p.shape for name, p in model.state_dict().items()}
-        received: dict[str, torch.Tensor] = {}
-        async for bucket in buckets:
-            bucket.verify()  # contract: verified before use (raises WeightTransferError)
-            if bucket.version != version:
-                raise WeightTransferError(f"bucket {bucket.index} is of version {bucket.version}, not {version}")
-            for name, tensor in bucket.tensors():
-                if name not in expected:
-                    raise WeightTransferError(f"unknown parameter {name!r}; myengine has {sorted(expected)}")
-                if tuple(tensor.shape) != tuple(expected[name]):
-                    raise WeightTransferError(f"{name}: shape {tuple(tensor.shape)}, myengine expects "
-                                              f"{tuple(expected[name])}")
-                received[name] = tensor.clone()  # bucket tensors are views of a buffer the sender may reuse
-        missing = sorted(set(expected) - set(received))
-        if missing:
-            raise WeightTransferError(f"update to version {version} lacks {missing}; a version must be complete")
+        # build the new weights aside: a bad bucket leaves the old weights and version in force. collect_update
+        # makes every check the contract asks for (checksums, one version, names/shapes/dtypes of the model, no
+        # duplicates, complete, ends with the last bucket) and says which failed (WeightTransferError)
+        checked = await collect_update(version, buckets, model=ModelTensors.of(model.state_dict(keep_vars=True)))
+        # bucket tensors are views of a buffer the sender may reuse: copy what you keep
+        received = {name: tensor.clone() for bucket in checked for name, tensor in bucket.tensors()}
         new_model = await asyncio.to_thread(self._load, model, received)
         # no await between these lines: the next decoding step sees both or neither
         self._model, self._version, self._kv_policy = new_model, version, KVCachePolicy(kv_cache)

@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
-from asyncflow_core.errors import EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.errors import EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
-from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
+from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket, collect_update
 from asyncflow_sglang.client import (
     ServerAnswerError,
     ServerError,
@@ -595,7 +595,8 @@ class SGLangRolloutEngine(RolloutEngine):
                 "which the sglang engine does not offer (a held completion would mix versions it cannot label); "
                 "pause with abort, or resume first"
             )
-        received = await _receive(version, buckets)
+        # every bucket verified before anything reaches the server (it checks names and shapes against its model)
+        received = await collect_update(version, buckets)
         await self._awake(self.config.weight_sync.drain_timeout_s, f"update to version {version}")
         self._updating = True
         try:
@@ -763,28 +764,6 @@ class SGLangRolloutEngine(RolloutEngine):
         await self._control("POST", "/resume_memory_occupation", {"tags": None})
         self._asleep = False
         self._changed.set()
-
-
-async def _receive(version: int, buckets: AsyncIterable[WeightBucket]) -> list[WeightBucket]:
-    """Every bucket of the update, verified; nothing reaches the server before all of them check out."""
-    received: list[WeightBucket] = []
-    names: set[str] = set()
-    async for bucket in buckets:
-        bucket.verify()
-        if bucket.version != version:
-            raise WeightTransferError(
-                f"bucket {bucket.index} belongs to version {bucket.version}, not to the update to version {version}"
-            )
-        for meta in bucket.metas:
-            if meta.name in names:
-                raise WeightTransferError(f"{meta.name!r} was sent twice in the update to version {version}")
-            names.add(meta.name)
-        received.append(bucket)
-    if not received:
-        raise WeightTransferError(f"the update to version {version} carried no weight buckets")
-    if not received[-1].last:
-        raise WeightTransferError(f"the update to version {version} ended before its last bucket")
-    return received
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:

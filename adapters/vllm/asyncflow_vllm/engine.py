@@ -57,10 +57,17 @@ from typing import Any
 
 import torch
 
-from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
-from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, WeightBucket
-from asyncflow_core.types.weights import dtype_name
+from asyncflow_core.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    ModelTensors,
+    SamplingParams,
+    WeightBucket,
+    collect_update,
+)
 from asyncflow_vllm.config import DECLARED_FEATURES, SUPPORTED_VLLM, VLLMRolloutConfig
 from asyncflow_vllm.worker import loopback_gloo_group
 
@@ -158,9 +165,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._llm: Any = None
         self._vllm: Any = None
         self._tmpdir: str | None = None
-        self._expected: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        self._tied: set[str] = set()
-        self._aliases: dict[str, list[str]] = {}  #: a tied tensor's first name -> its other names
+        self._model = ModelTensors({})  #: names, shapes, dtypes and tied groups an update must match
         self._vocab = 0
         self._max_len = 0
         self._eos: frozenset[int] = frozenset()
@@ -257,14 +262,8 @@ class VLLMRolloutEngine(RolloutEngine):
             self._tmpdir = tempfile.mkdtemp(prefix="asyncflow-vllm-model-")
             net.save_pretrained(self._tmpdir)
             directory = self._tmpdir
-        params = net.state_dict(keep_vars=True)
-        self._expected = {name: (tuple(t.shape), t.dtype) for name, t in params.items()}
-        seen: dict[int, str] = {}
-        for name, t in params.items():  # tied tensors (one parameter, several names) need only one of them
-            if id(t) in seen:
-                self._tied.add(name)
-                self._aliases.setdefault(seen[id(t)], []).append(name)
-            seen.setdefault(id(t), name)
+        # tied tensors (one parameter under several names) need only one of their names in an update
+        self._model = ModelTensors.of(net.state_dict(keep_vars=True))
         return directory
 
     def _eos_ids(self, cfg: Any) -> frozenset[int]:
@@ -569,42 +568,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     async def _receive(self, version: int, buckets: AsyncIterable[WeightBucket]) -> list[WeightBucket]:
         """Every bucket of the update, checked against the model before anything is sent to vLLM."""
-        out: list[WeightBucket] = []
-        names: set[str] = set()
-        async for bucket in buckets:
-            bucket.verify()
-            if bucket.version != version:
-                raise WeightTransferError(
-                    f"bucket {bucket.index} belongs to version {bucket.version}, not to the update to version {version}"
-                )
-            for meta in bucket.metas:
-                expected = self._expected.get(meta.name)
-                if expected is None:
-                    example = next(iter(self._expected), "")
-                    raise WeightTransferError(
-                        f"{meta.name!r} is not a tensor of this model (names are Hugging Face state_dict keys, "
-                        f"e.g. {example!r})"
-                    )
-                if meta.name in names:
-                    raise WeightTransferError(f"{meta.name!r} was sent twice in the update to version {version}")
-                shape, dtype = expected
-                if tuple(meta.shape) != shape:
-                    raise WeightTransferError(f"{meta.name}: shape {tuple(meta.shape)} does not match the model's {shape}")
-                if meta.dtype != dtype_name(dtype):
-                    raise WeightTransferError(
-                        f"{meta.name}: dtype {meta.dtype} does not match the model's {dtype_name(dtype)} "
-                        "(export weights in model.dtype)"
-                    )
-                names.add(meta.name)
-            out.append(bucket)
-        if not out:
-            raise WeightTransferError(f"the update to version {version} carried no weight buckets")
-        missing = [n for n in self._expected if n not in names and n not in self._tied]
-        if missing:
-            raise WeightTransferError(
-                f"the update to version {version} left {len(missing)} of the model's tensors unset, e.g. {missing[:3]}"
-            )
-        return out
+        return await collect_update(version, buckets, model=self._model)
 
     async def _install(
         self, llm: Any, version: int, buckets: list[WeightBucket], kv_cache: KVCachePolicy,
@@ -629,7 +593,11 @@ class VLLMRolloutEngine(RolloutEngine):
             # a tied tensor sent under one name is loaded under its other names too: on CPU vLLM repacks the
             # output projection (lm_head) for oneDNN, and only loading it by name makes that copy current
             sent = {m.name for b in buckets for m in b.metas}
-            aliases = {src: [a for a in names if a not in sent] for src, names in self._aliases.items() if src in sent}
+            aliases: dict[str, list[str]] = {}  # a sent name -> the unsent names of its tied group
+            for tied in self._model.tied_groups:
+                present = [n for n in tied if n in sent]
+                if present and len(present) < len(tied):
+                    aliases[present[0]] = [n for n in tied if n not in sent]
             # announce first (the workers post their receives only for transfers that are coming) ...
             load = asyncio.ensure_future(
                 llm.collective_rpc("asyncflow_load", args=(version, metas, self.config.verify_updates, aliases))
