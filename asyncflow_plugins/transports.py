@@ -10,7 +10,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 from pydantic import BaseModel, ConfigDict
 
 from asyncflow_core.errors import WeightTransferError
-from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport
+from asyncflow_core.interfaces import StagedVersion, TransferReport, TransportFeatures, WeightTransport
 from asyncflow_core.plugins import WeightTransportBackend, hookimpl
 from asyncflow_core.types import WeightBucket
 
@@ -30,9 +30,7 @@ class InProcessTransport(WeightTransport):
     """
 
     def __init__(self, config: InProcessTransportConfig | None = None) -> None:
-        self._staged: tuple[int, list[WeightBucket]] | None = None
-        self._changed = asyncio.Condition()
-        self._closed = False
+        self._stage: StagedVersion[WeightBucket] = StagedVersion()
 
     @property
     def features(self) -> TransportFeatures:
@@ -46,60 +44,23 @@ class InProcessTransport(WeightTransport):
                 received = [b async for b in buckets]
         except TimeoutError:
             raise WeightTransferError(f"weight send did not finish within its {deadline_s:g}s deadline") from None
-        version = _check_whole_version(received)
-        async with self._changed:
-            if self._staged is not None and version <= self._staged[0]:
-                raise WeightTransferError(
-                    f"version {version} is not newer than the staged version {self._staged[0]}; versions must increase"
-                )
-            self._staged = (version, received)
-            self._changed.notify_all()
+        version = await self._stage.stage(received)
         nbytes = sum(b.nbytes for b in received)
         return TransferReport(version=version, buckets=len(received), bytes=nbytes, seconds=time.perf_counter() - start)
 
     async def receive(self, *, min_version: int = 0, deadline_s: float) -> AsyncIterator[WeightBucket]:
         self._check_open()
-        try:
-            async with asyncio.timeout(deadline_s):
-                async with self._changed:
-                    await self._changed.wait_for(
-                        lambda: self._closed or (self._staged is not None and self._staged[0] >= min_version)
-                    )
-        except TimeoutError:
-            staged = "none" if self._staged is None else str(self._staged[0])
-            raise WeightTransferError(
-                f"no weight version >= {min_version} was staged within {deadline_s:g}s (newest staged: {staged})"
-            ) from None
-        self._check_open()
-        assert self._staged is not None
-        for bucket in self._staged[1]:
+        _, buckets = await self._stage.wait(min_version, deadline_s=deadline_s)
+        for bucket in buckets:
             bucket.verify()
             yield bucket
 
     async def close(self) -> None:
-        self._closed = True
-        async with self._changed:
-            self._changed.notify_all()
-        self._staged = None
+        await self._stage.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._stage.closed:
             raise WeightTransferError("the transport is closed")
-
-
-def _check_whole_version(buckets: list[WeightBucket]) -> int:
-    if not buckets:
-        raise WeightTransferError("a send must carry at least one bucket")
-    versions = {b.version for b in buckets}
-    if len(versions) != 1:
-        raise WeightTransferError(f"a send must carry one version, got {sorted(versions)}")
-    indices = [b.index for b in buckets]
-    if indices != list(range(len(buckets))):
-        raise WeightTransferError(f"bucket indices must be 0..{len(buckets) - 1} in order, got {indices}")
-    lasts = [b.last for b in buckets]
-    if not lasts[-1] or any(lasts[:-1]):
-        raise WeightTransferError("only the final bucket of a version may (and must) have last=True")
-    return versions.pop()
 
 
 @hookimpl
@@ -111,7 +72,7 @@ def asyncflow_weight_transports():
         description="Trainer and rollout engines in one process: buckets staged in memory, read by reference.",
         features=TransportFeatures(cross_process=False, cross_host=False, devices=("cpu", "cuda")),
     )
-    # imported here: the package imports ``_check_whole_version`` from this module
+    # imported here, when the hook runs: importing this module stays cheap
     from asyncflow_plugins.weight_transports import registrations
 
     yield from registrations()

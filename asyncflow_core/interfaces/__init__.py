@@ -21,7 +21,7 @@ from asyncflow_core.interfaces.rollout import Health, KVCachePolicy, PauseMode, 
 from asyncflow_core.interfaces.sampler import Candidates, Sampler, SampleRequest
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
 from asyncflow_core.interfaces.train import TrainEngine
-from asyncflow_core.interfaces.transport import TransferReport, WeightTransport
+from asyncflow_core.interfaces.transport import StagedVersion, TransferReport, WeightTransport, check_whole_version
 
 __all__ = [
     "Algorithm",
@@ -40,6 +40,7 @@ __all__ = [
     "RolloutFeatures",
     "SampleRequest",
     "Sampler",
+    "StagedVersion",
     "StoreFeatures",
     "StreamStore",
     "TrainEngine",
@@ -47,4 +48,5 @@ __all__ = [
     "TransferReport",
     "TransportFeatures",
     "WeightTransport",
+    "check_whole_version",
 ]

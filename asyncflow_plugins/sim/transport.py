@@ -9,10 +9,15 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.errors import WeightTransferError
-from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport
+from asyncflow_core.interfaces import (
+    StagedVersion,
+    TransferReport,
+    TransportFeatures,
+    WeightTransport,
+    check_whole_version,
+)
 from asyncflow_core.types import WeightBucket
 from asyncflow_plugins.sim.latency import TransferLatency
-from asyncflow_plugins.transports import _check_whole_version
 
 FEATURES = TransportFeatures(cross_process=False, cross_host=False, devices=("cpu", "cuda"))
 
@@ -59,9 +64,7 @@ class SimWeightTransport(WeightTransport):
         self.config = config or SimTransportConfig()
         self._lat = self.config.latency
         self.stats = SimTransportStats()
-        self._staged: tuple[int, list[WeightBucket]] | None = None
-        self._changed = asyncio.Condition()
-        self._closed = False
+        self._stage: StagedVersion[WeightBucket] = StagedVersion()
 
     @property
     def features(self) -> TransportFeatures:
@@ -85,18 +88,13 @@ class SimWeightTransport(WeightTransport):
         loop = asyncio.get_running_loop()
         start = loop.time()
         received = [b async for b in buckets]
-        version = _check_whole_version(received)
+        version = check_whole_version(received)
         for bucket in received:
             bucket.verify()
-        if self._staged is not None and version <= self._staged[0]:
-            raise WeightTransferError(
-                f"version {version} is not newer than the staged version {self._staged[0]}; versions must increase"
-            )
+        self._stage.check_newer(version)  # before the modelled time is spent
         seconds = self._lat.send_time(self._nbytes(received))
         await self._spend(seconds, deadline_s, f"sending version {version}")
-        async with self._changed:
-            self._staged = (version, received)
-            self._changed.notify_all()
+        await self._stage.stage(received)
         self.stats.sends += 1
         self.stats.send_seconds += seconds
         return TransferReport(
@@ -110,20 +108,8 @@ class SimWeightTransport(WeightTransport):
         self._check_open()
         loop = asyncio.get_running_loop()
         start = loop.time()
-        try:
-            async with asyncio.timeout(deadline_s * self.config.time_scale):
-                async with self._changed:
-                    await self._changed.wait_for(
-                        lambda: self._closed or (self._staged is not None and self._staged[0] >= min_version)
-                    )
-        except TimeoutError:
-            staged = "none" if self._staged is None else str(self._staged[0])
-            raise WeightTransferError(
-                f"no weight version >= {min_version} was staged within {deadline_s:g}s (newest staged: {staged})"
-            ) from None
-        self._check_open()
-        assert self._staged is not None
-        version, buckets = self._staged
+        version, buckets = await self._stage.wait(min_version, deadline_s=deadline_s,
+                                                  timeout_s=deadline_s * self.config.time_scale)
         waited = (loop.time() - start) / self.config.time_scale
         seconds = self._lat.receive_time(self._nbytes(buckets))
         await self._spend(seconds, deadline_s - waited, f"receiving version {version}")
@@ -134,11 +120,8 @@ class SimWeightTransport(WeightTransport):
             yield bucket
 
     async def close(self) -> None:
-        self._closed = True
-        async with self._changed:
-            self._changed.notify_all()
-        self._staged = None
+        await self._stage.close()
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._stage.closed:
             raise WeightTransferError("the transport is closed")

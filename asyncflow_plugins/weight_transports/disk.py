@@ -37,9 +37,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from asyncflow_core.errors import WeightTransferError
-from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport
+from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport, check_whole_version
 from asyncflow_core.types import TensorMeta, WeightBucket
-from asyncflow_plugins.transports import _check_whole_version
 from asyncflow_plugins.weight_transports.config import DiskTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
@@ -109,7 +108,7 @@ class DiskWeightTransport(WeightTransport):
         try:
             async with asyncio.timeout(deadline_s):
                 received = [b async for b in buckets]
-                _check_whole_version(received)
+                check_whole_version(received)
                 work = asyncio.ensure_future(asyncio.to_thread(self._write, received, cancelled))
                 work.add_done_callback(lambda f: f.cancelled() or f.exception())
                 await asyncio.shield(work)

@@ -55,9 +55,8 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.errors import WeightTransferError
-from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport
+from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport, check_whole_version
 from asyncflow_core.types import WeightBucket
-from asyncflow_plugins.transports import _check_whole_version
 from asyncflow_plugins.weight_transports.config import DistTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
@@ -287,7 +286,7 @@ class DistWeightTransport(WeightTransport):
                     received = [b async for b in buckets]
             except TimeoutError:
                 raise WeightTransferError(f"weight send did not finish within its {deadline_s:g}s deadline") from None
-            version = _check_whole_version(received)
+            version = check_whole_version(received)
             if self._staged is not None and version <= self._staged[0]:
                 raise WeightTransferError(
                     f"version {version} is not newer than the staged version {self._staged[0]}; versions must increase"

@@ -44,9 +44,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.errors import WeightTransferError
-from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport
+from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport, check_whole_version
 from asyncflow_core.types import WeightBucket
-from asyncflow_plugins.transports import _check_whole_version
 from asyncflow_plugins.weight_transports.config import ShmTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
@@ -145,7 +144,7 @@ class ShmWeightTransport(WeightTransport):
         try:
             async with asyncio.timeout(deadline_s):
                 received = [b async for b in buckets]
-                version = _check_whole_version(received)
+                version = check_whole_version(received)
                 self._check_newer(version)
                 # the copy runs on a thread that a timeout cannot stop: it checks ``cancelled`` before publishing
                 work = asyncio.ensure_future(asyncio.to_thread(self._stage, received, cancelled))
