@@ -321,13 +321,18 @@ _OBJECT_COLLECTIVES = {"broadcast_object_list", "all_gather_object", "gather_obj
                        "recv_object_list", "send_object_list"}
 # (file, call) -> (count, why it is safe)
 _ALLOWED = {
-    ("adapters/fsdp/asyncflow_fsdp/ranks.py", "pickle.loads"): (
+    ("asyncflow_core/launchers/ranks.py", "pickle.loads"): (
         1, "the driver reads its rank processes' replies from the anonymous pipes it created when it started them "
            "(same user, no socket, no address anyone else can open)"),
+    ("asyncflow_core/launchers/ray/ranks.py", "pickle.loads"): (
+        1, "a rank actor decodes the reply its own rank thread wrote into an in-process pipe (both ends in one "
+           "process, no socket, no address); what reaches the actor is a Ray call from the trainer actor that owns it"),
     ("adapters/fsdp/asyncflow_fsdp/worker.py", "pickle.loads"): (
-        2, "a rank reads commands (and the pickled algorithm) from the anonymous pipe to the driver that started it"),
+        2, "a rank reads commands (and the pickled algorithm) from the anonymous pipe to the driver that started it "
+           "(as a Ray rank actor: from the in-process pipe its actor feeds with the owning trainer actor's calls)"),
     ("adapters/megatron/asyncflow_megatron/worker.py", "pickle.loads"): (
-        2, "the same pipes as fsdp: its driver starts the ranks with asyncflow_fsdp.ranks.RankGroup"),
+        2, "the same pipes as fsdp: its driver starts the ranks with the core's rank group "
+           "(asyncflow_core.launchers.ranks)"),
     ("asyncflow_core/launchers/ray/actors.py", "pickle.loads"): (
         1, "a round trip of bytes the actor itself just produced with pickle.dumps (does this exception survive "
            "Ray's own serialisation?); nothing received is decoded"),
@@ -431,7 +436,7 @@ def test_nothing_unpickles_received_bytes_outside_the_allow_list():
 
 def test_fsdp_pipes_are_anonymous_pipes_to_started_ranks():
     """The allowed unpickling happens on ``Pipe()`` ends made by the driver for the ranks it starts, not sockets."""
-    source = (ROOT / "adapters/fsdp/asyncflow_fsdp/ranks.py").read_text()
+    source = (ROOT / "asyncflow_core/launchers/ranks.py").read_text()
     assert "ctx.Pipe(duplex=True)" in source and "ctx.Process(" in source
     tree = ast.parse(source)
     names = {_dotted(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}

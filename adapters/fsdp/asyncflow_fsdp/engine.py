@@ -1,11 +1,13 @@
 """The ``fsdp`` TrainEngine, driver side: validates input, plans the step, commands the ranks.
 
 The engine object lives in the caller's process (the flow runtime's event
-loop). ``setup()`` starts ``world_size`` rank processes
-(:mod:`asyncflow_fsdp.worker`); every later call validates its input here,
-splits the rows over the ranks (token-balanced) and into micro-batches, sends
-each rank its share, and waits for all of them off the event loop. Results
-come back over the pipes; exported weight buckets through shared memory.
+loop). ``setup()`` starts ``world_size`` ranks (:mod:`asyncflow_fsdp.worker`)
+with the process's rank spawner (:mod:`asyncflow_core.launchers.ranks`): child
+processes by default, one Ray actor each under the ``ray`` launcher. Every
+later call validates its input here, splits the rows over the ranks
+(token-balanced) and into micro-batches, sends each rank its share, and waits
+for all of them off the event loop. Results come back with the replies;
+exported weight buckets through shared memory (so the ranks share this host).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from asyncflow_core import columns as C
 from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.errors import EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Algorithm, LossContext, TrainEngine, TrainFeatures
+from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_rank_group
 from asyncflow_core.types import Batch, RaggedTensor, WeightBucket
 from asyncflow_fsdp.config import FSDPTrainConfig
 from asyncflow_fsdp.packing import StepPlan, plan_step
-from asyncflow_fsdp.ranks import RankGroup
 
 #: imported by the forkserver once, so that forking a rank costs milliseconds instead of a torch import
 FORKSERVER_PRELOAD = ("asyncflow_fsdp.worker",)
@@ -61,7 +63,7 @@ class FSDPTrainEngine(TrainEngine):
     def __init__(self, config: FSDPTrainConfig) -> None:
         self.config = config
         self._features = config.features()
-        self._group: RankGroup | None = None
+        self._group: RankHandle | None = None
         self._version = 0
         self._busy: str | None = None
         self._info: dict[str, Any] = {}
@@ -103,7 +105,7 @@ class FSDPTrainEngine(TrainEngine):
 
     def _resolve_device(self) -> str:
         c = self.config
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        have = gpus_for_ranks(c.world_size)  # where the ranks will run: this host's GPUs, or their actors'
         if c.device == "cuda" and have < c.world_size:
             raise EngineError(f"device=cuda with world_size={c.world_size} needs {c.world_size} visible GPUs, "
                               f"found {have}; lower world_size or use device=cpu")
@@ -115,10 +117,10 @@ class FSDPTrainEngine(TrainEngine):
         from asyncflow_fsdp.worker import rank_main
 
         c = self.config
-        group = RankGroup(c.world_size, rank_main, (c.model_dump(mode="json"),), start_method=c.start_method,
-                          preload=(*FORKSERVER_PRELOAD, *_modeling_module(c.model)))
+        group = start_rank_group(c.world_size, rank_main, (c.model_dump(mode="json"),), start_method=c.start_method,
+                                 preload=(*FORKSERVER_PRELOAD, *_modeling_module(c.model)), name="asyncflow-fsdp-rank")
         self._group = group
-        # an engine dropped without shutdown() still ends its ranks (daemonic ranks also end with this process)
+        # an engine dropped without shutdown() still ends its ranks (daemonic ranks, and rank actors, also end with this process)
         self._finalizer = weakref.finalize(self, group.stop, grace_s=0)
         port = group.call("bind", timeout_s=c.setup_timeout_s, what="setup (rendezvous)")[0]
         infos = group.call("setup", same={"port": port, "device": self._device_type}, timeout_s=c.setup_timeout_s,
@@ -248,7 +250,7 @@ class FSDPTrainEngine(TrainEngine):
 
     # -- helpers ----------------------------------------------------------------
 
-    def _ready(self) -> RankGroup:
+    def _ready(self) -> RankHandle:
         if self._group is None:
             raise EngineError("call setup() before using the fsdp train engine (or it was shut down)")
         return self._group

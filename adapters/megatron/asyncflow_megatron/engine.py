@@ -3,14 +3,16 @@
 The engine object lives in the caller's process (the flow runtime's event
 loop). ``setup()`` checks the installed megatron-core, maps the Hugging Face
 config and checks that it splits over the TP x PP grid (all before a rank
-starts), then starts ``world_size`` rank processes
-(:mod:`asyncflow_megatron.worker`). Every later call validates its input
+starts), then starts ``world_size`` ranks (:mod:`asyncflow_megatron.worker`) with the
+process's rank spawner (child processes by default, one Ray actor each under
+the ``ray`` launcher). Every later call validates its input
 here, splits the rows over the data-parallel replicas (token-balanced) and
 into micro-batches, sends every rank its replica's share, and waits for all
 of them off the event loop.
 
-Rank processes are managed by the FSDP adapter's :class:`RankGroup` and rows
-are planned by its :func:`plan_step` (both framework-neutral).
+Ranks are started and watched by the core's rank group
+(:mod:`asyncflow_core.launchers.ranks`); rows are planned by the FSDP
+adapter's :func:`plan_step` (framework-neutral).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Algorithm, LossContext, TrainEngine, TrainFeatures
+from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_rank_group
 from asyncflow_core.types import Batch, RaggedTensor, WeightBucket
 from asyncflow_fsdp.packing import StepPlan, plan_step
-from asyncflow_fsdp.ranks import RankGroup
 from asyncflow_megatron import hf_mapping as hm
 from asyncflow_megatron.config import MegatronTrainConfig
 from asyncflow_megatron.versions import require_megatron
@@ -67,7 +69,7 @@ class MegatronTrainEngine(TrainEngine):
     def __init__(self, config: MegatronTrainConfig) -> None:
         self.config = config
         self._features = config.features()
-        self._group: RankGroup | None = None
+        self._group: RankHandle | None = None
         self._version = 0
         self._busy: str | None = None
         self._infos: list[dict[str, Any]] = []
@@ -103,7 +105,7 @@ class MegatronTrainEngine(TrainEngine):
         self._arch = check_model(self.config)
         c = self.config
         if c.device == "cuda":
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            have = gpus_for_ranks(c.world_size)  # where the ranks will run: this host's GPUs, or their actors'
             if have < c.world_size:
                 raise EngineError(f"the megatron engine needs one GPU per rank: world_size={c.world_size}, "
                                   f"{have} visible; lower world_size (device: cpu runs on gloo, for tests only)")
@@ -120,10 +122,10 @@ class MegatronTrainEngine(TrainEngine):
         from asyncflow_megatron.worker import rank_main
 
         c = self.config
-        group = RankGroup(c.world_size, rank_main, (c.model_dump(mode="json"),), start_method=c.start_method,
-                          preload=FORKSERVER_PRELOAD)
+        group = start_rank_group(c.world_size, rank_main, (c.model_dump(mode="json"),), start_method=c.start_method,
+                                 preload=FORKSERVER_PRELOAD, name="asyncflow-megatron-rank")
         self._group = group
-        # an engine dropped without shutdown() still ends its ranks (daemonic ranks also end with this process)
+        # an engine dropped without shutdown() still ends its ranks (daemonic ranks, and rank actors, also end with this process)
         self._finalizer = weakref.finalize(self, group.stop, grace_s=0)
         port = group.call("bind", timeout_s=c.setup_timeout_s, what="setup (rendezvous)")[0]
         self._infos = group.call("setup", same={"port": port}, timeout_s=c.setup_timeout_s, what="setup")
@@ -244,7 +246,7 @@ class MegatronTrainEngine(TrainEngine):
 
     # -- helpers ----------------------------------------------------------------
 
-    def _ready(self) -> RankGroup:
+    def _ready(self) -> RankHandle:
         if self._group is None:
             raise EngineError("call setup() before using the megatron train engine (or it was shut down)")
         return self._group

@@ -39,12 +39,19 @@ class RolloutActor:
     completion order and in batches: ``submit`` starts the engine's iterator
     in a task feeding a queue, ``poll`` returns everything finished since the
     last poll (waiting for at least one result, up to ``wait_s``).
+
+    Weights arrive as object-store references (``update_weights_refs``) or
+    by broadcast in the run's dist weight group (``open_weight_group``,
+    ``load_weights_dist``): see :mod:`.weights`.
     """
 
     def __init__(self, factory: Any, options: Any) -> None:
+        from asyncflow_core.launchers.ray.weights import WeightReceiver
+
         self.engine = factory(options)
         self.calls: dict[int, asyncio.Queue] = {}
         self.tasks: dict[int, asyncio.Task] = {}
+        self.weights = WeightReceiver(self.engine)
 
     def describe(self) -> dict[str, Any]:
         return {"features": self.engine.features, "version": self.engine.version, "pid": os.getpid()}
@@ -99,15 +106,38 @@ class RolloutActor:
     async def resume(self) -> None:
         await self.engine.resume()
 
-    async def update_weights_refs(self, version: int, refs: list[Any], kv_cache: Any) -> int:
-        """Load a version whose buckets the driver put in the object store (fetched one by one, in order)."""
+    async def update_weights_refs(self, version: int, refs: list[Any], kv_cache: Any,
+                                  checksums: Sequence[str] | None = None) -> int:
+        """Load a version whose buckets are in the object store (fetched one by one, in order).
+
+        ``checksums`` (from the handles) must match what each fetched bucket
+        says it holds, so a reference to the wrong object is refused; the
+        engine then checks every buffer against its checksum.
+        """
+        from asyncflow_core.errors import WeightTransferError
+
         async def stream():
-            for ref in refs:
+            for i, ref in enumerate(refs):
                 bucket: WeightBucket = await ref
+                if checksums is not None and bucket.checksum != checksums[i]:
+                    raise WeightTransferError(f"bucket {i} of version {version} fetched from the object store is not "
+                                              f"the one announced (checksum {bucket.checksum} != {checksums[i]})")
                 yield bucket
 
         await self.engine.update_weights(version, stream(), kv_cache=kv_cache)
         return self.engine.version
+
+    async def open_weight_group(self, port: int, world_size: int, rank: int, backend: str, join_timeout_s: float,
+                                chunk_mb: float) -> None:
+        """Join the run's dist weight group as ``rank`` (in the background: returns at once)."""
+        await self.weights.open_group(port, world_size, rank, backend, join_timeout_s, chunk_mb)
+
+    async def load_weights_dist(self, min_version: int, deadline_s: float, kv_cache: Any) -> int:
+        """Load the newest version >= ``min_version`` received by broadcast; the engine's version after."""
+        return await self.weights.load(min_version, deadline_s, kv_cache)
+
+    async def close_weight_group(self) -> None:
+        await self.weights.close_group()
 
     async def sleep(self, level: int) -> None:
         await self.engine.sleep(level)
@@ -125,14 +155,25 @@ class RolloutActor:
 
 
 class TrainActor:
-    """Hosts the :class:`~asyncflow_core.interfaces.TrainEngine`.
+    """Hosts the :class:`~asyncflow_core.interfaces.TrainEngine` (the engine's driver side).
 
-    An engine that runs several ranks (``fsdp`` with ``world_size`` > 1)
-    spawns them from inside this actor's process, as it would from the
-    driver: the rank group is one actor's children, not one actor per rank.
+    An engine that runs several ranks (``fsdp`` / ``megatron`` with
+    ``world_size`` > 1) starts them through the process's rank spawner
+    (:mod:`asyncflow_core.launchers.ranks`). With ``rank_spawner`` given (the
+    launcher's ``trainer_ranks: actors``, a
+    :class:`~asyncflow_core.launchers.ray.ranks.RayRankSpawner`) each rank is
+    a Ray actor of its own, placed in the trainer's placement bundles, and
+    torch.distributed is initialised inside those actors; this actor only
+    plans, commands and gathers. Without it the ranks are this actor's child
+    processes, as they would be the driver's under ``local``.
     """
 
-    def __init__(self, factory: Any, options: Any) -> None:
+    def __init__(self, factory: Any, options: Any, rank_spawner: Any = None) -> None:
+        if rank_spawner is not None:
+            from asyncflow_core.launchers.ranks import install_rank_spawner
+
+            # process-wide: this actor's process hosts this one engine, which starts its ranks later, in setup()
+            install_rank_spawner(rank_spawner)
         self.engine = factory(options)
 
     def describe(self) -> dict[str, Any]:
@@ -167,6 +208,40 @@ class TrainActor:
 
     async def shutdown(self) -> None:
         await self.engine.shutdown()
+
+    # -- weights that do not pass through the driver (launcher.options.weights; see .weights) --
+
+    def _weight_sender(self) -> Any:
+        sender = getattr(self, "_sender", None)
+        if sender is None:
+            from asyncflow_core.launchers.ray.weights import WeightSender
+
+            sender = self._sender = WeightSender(self.engine)
+        return sender
+
+    async def put_weights(self, bucket_bytes: int) -> list[Any]:
+        """Export the current version into the object store; one handle (no bytes) per bucket."""
+        return await self._weight_sender().put(bucket_bytes)
+
+    async def open_weight_group(self, generation: int, world_size: int, backend: str, join_timeout_s: float,
+                                chunk_mb: float) -> int:
+        """Open rank 0 of the dist weight group on a free 127.0.0.1 port; returns the port for the receivers."""
+        return await self._weight_sender().open_group(generation, world_size, backend, join_timeout_s, chunk_mb)
+
+    async def send_weights(self, bucket_bytes: int, deadline_s: float) -> list[Any]:
+        """Export and broadcast the current version to the group; one handle (no bytes) per bucket."""
+        return await self._weight_sender().send(bucket_bytes, deadline_s)
+
+    async def put_last_weights(self, min_version: int) -> list[Any]:
+        """The last version broadcast, put in the object store for a replica outside the group."""
+        return await self._weight_sender().put_last(min_version)
+
+    async def close_weight_group(self) -> None:
+        await self._weight_sender().close_group()
+
+    async def abandon_weight_send(self, reason: str) -> bool:
+        """Give up the broadcast in flight (a rank died): ``send_weights`` then fails with ``reason``."""
+        return self._weight_sender().abandon(reason)
 
 
 class RewardActor:

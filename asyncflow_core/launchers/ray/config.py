@@ -34,7 +34,31 @@ class RayLauncherConfig(BaseModel):
         1.0, ge=0, description="CPUs reserved for the trainer actor (and as much again for a reference model)."
     )
     trainer_gpus: float = Field(
-        0.0, ge=0, description="GPUs reserved for the trainer actor; a trainer that spawns N ranks needs N here on GPU."
+        0.0, ge=0,
+        description="GPUs reserved for the trainer actor. With trainer_ranks: processes, a trainer that spawns N ranks "
+        "needs N here on GPU; with rank actors the ranks hold the GPUs (trainer_rank_gpus) and this stays 0.",
+    )
+    trainer_ranks: Literal["actors", "processes"] = Field(
+        "actors",
+        description="Where a trainer's ranks run when its engine has world_size > 1 (fsdp, megatron): actors: one "
+        "Ray actor per rank, placed in the trainer's placement group (torch.distributed inside the actors, one node); "
+        "processes: child processes of the trainer actor.",
+    )
+    trainer_rank_cpus: float = Field(
+        1.0, ge=0,
+        description="CPUs reserved per rank actor (trainer_ranks: actors), for the trainer and the reference model.",
+    )
+    trainer_rank_gpus: int = Field(
+        0, ge=0, le=1,
+        description="GPUs per rank actor (trainer_ranks: actors): 1 runs the ranks on CUDA with NCCL, one GPU each; "
+        "0 runs them on CPU with gloo.",
+    )
+    weights: Literal["object_store", "dist", "driver"] = Field(
+        "object_store",
+        description="How each weight version goes from the trainer actor to the rollout actors: object_store: the "
+        "trainer actor puts the buckets and each rollout actor fetches them (works across nodes); dist: a "
+        "torch.distributed group of the trainer and rollout actors on 127.0.0.1 (gloo; NCCL when both have GPUs; one "
+        "node only); driver: every bucket through the driver and the configured weight_transport.",
     )
     reward_workers: int = Field(1, ge=1, description="Reward worker actors; reward batches go to the least busy one.")
     reward_cpus: float = Field(0.5, ge=0, description="CPUs reserved per reward worker actor.")

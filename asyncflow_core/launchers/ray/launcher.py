@@ -37,6 +37,7 @@ from asyncflow_core.launchers.ray.remote import (
     RoleLost,
     WatchedActor,
 )
+from asyncflow_core.launchers.ray.weights import RayWeights
 
 log = logging.getLogger("asyncflow.ray")
 
@@ -98,6 +99,16 @@ class RayRoles(Roles):
         self.namespace = options.namespace or f"asyncflow-{cfg.name}-{uuid.uuid4().hex[:8]}"
         self.deadline_s = cfg.weight_transport.deadline_s
         self.bucket_cache: dict[Any, Any] = {}
+        mode = options.weights
+        if mode != "driver" and cfg.weight_transport.name != "inprocess":
+            raise ConfigError(
+                f"weight_transport.name={cfg.weight_transport.name!r} is used only with launcher.options.weights="
+                f"driver; with weights={mode} the ray launcher moves weights between its actors itself: set "
+                "weight_transport.name=inprocess (its bucket_mb and deadline_s still apply) or weights=driver"
+            )
+        #: how weights go from the trainer actor to the rollout actors (launcher.options.weights)
+        self.weights = RayWeights(mode, deadline_s=self.deadline_s, counters=self.counters,
+                                  backend="nccl" if options.trainer_gpus and options.rollout_gpus else "gloo")
         self.groups: dict[str, Any] = {}
         self.bundle_of: dict[tuple[str, int], tuple[Any, int]] = {}
         self.watched: list[WatchedActor] = []
@@ -111,10 +122,17 @@ class RayRoles(Roles):
     # -- placement ---------------------------------------------------------------------
 
     def _pools(self) -> dict[str, list[dict[str, float]]]:
+        from asyncflow_core.launchers.ray.ranks import trainer_rank_actors
+
         o, cfg = self.options, self.resolved.config
+        # one slot per trainer (the policy's, then the reference model's): the trainer actor's bundle, then one
+        # bundle per rank actor when its ranks are actors (build() finds them at the same indices)
+        ranks = trainer_rank_actors(o.trainer_ranks, self.resolved.components["trainer"].options)
+        slot = [self._bundle(o.trainer_cpus, o.trainer_gpus)]
+        slot += [self._bundle(o.trainer_rank_cpus, o.trainer_rank_gpus)] * ranks
         return {
             "rollout": [self._bundle(o.rollout_cpus, o.rollout_gpus)] * cfg.rollout.replicas,
-            "trainer": [self._bundle(o.trainer_cpus, o.trainer_gpus)] * (2 if self.needs_ref else 1),
+            "trainer": slot * (2 if self.needs_ref else 1),
             "reward": [self._bundle(o.reward_cpus, 0)] * o.reward_workers,
         }
 
@@ -150,9 +168,11 @@ class RayRoles(Roles):
         if len(done) < len(ready):
             have = ray.cluster_resources()
             self.remove_groups()
+            trainers = len(pools["trainer"]) // (2 if self.needs_ref else 1)
+            ranks = f" + {trainers - 1} rank actors x {o.trainer_rank_cpus:g}" if trainers > 1 else ""
             raise ConfigError(
                 f"the ray launcher's placement ({o.placement}) needs {need_cpu:g} CPUs and {need_gpu:g} GPUs "
-                f"(rollout {cfg.rollout.replicas} x {o.rollout_cpus:g}, trainer {o.trainer_cpus:g}, reward "
+                f"(rollout {cfg.rollout.replicas} x {o.rollout_cpus:g}, trainer {o.trainer_cpus:g}{ranks}, reward "
                 f"{o.reward_workers} x {o.reward_cpus:g}), the cluster has {have.get('CPU', 0):g} CPUs and "
                 f"{have.get('GPU', 0):g} GPUs; lower launcher.options.*_cpus / *_gpus, raise num_cpus, or add nodes"
             )
@@ -181,14 +201,14 @@ class RayRoles(Roles):
         return opts
 
     def _watched(self, role: str, remote_cls: Any, opts: dict[str, Any], factory: Any, options: Any,
-                 fatal: bool) -> WatchedActor:
+                 fatal: bool, **init: Any) -> WatchedActor:
         spawned = Counter()
 
         def make() -> Any:
             spawned[role] += 1
             # a fresh name per incarnation: a killed actor's name stays taken for a moment
             suffix = "" if spawned[role] == 1 else f".r{spawned[role] - 1}"
-            return remote_cls.options(name=f"{role.replace('/', '-')}{suffix}", **opts).remote(factory, options)
+            return remote_cls.options(name=f"{role.replace('/', '-')}{suffix}", **opts).remote(factory, options, **init)
 
         w = WatchedActor(role, make, heartbeat_s=self.options.heartbeat_s,
                          heartbeat_timeout_s=self.options.heartbeat_timeout_s,
@@ -210,17 +230,32 @@ class RayRoles(Roles):
                               self._actor_options("rollout", index, o.rollout_cpus, o.rollout_gpus),
                               factory, options, fatal=False)
             proxy = RemoteRolloutEngine(w, deadline_s=self.deadline_s, max_restarts=o.max_restarts,
-                                        bucket_cache=self.bucket_cache, counters=self.counters)
+                                        bucket_cache=self.bucket_cache, counters=self.counters, weights=self.weights)
+            self.weights.add_replica(proxy)
         elif section == "trainer":
-            idx = 1 if role == "ref" else 0
+            from asyncflow_core.launchers.ray.ranks import RayRankSpawner, trainer_rank_actors
+
+            ranks = trainer_rank_actors(o.trainer_ranks, options)
+            idx = (1 if role == "ref" else 0) * (1 + ranks)  # this trainer's slot in the trainer pool (see _pools)
+            init: dict[str, Any] = {}
+            if ranks:
+                placed = [self.bundle_of[("trainer", idx + 1 + r)] for r in range(ranks)
+                          if ("trainer", idx + 1 + r) in self.bundle_of]
+                spawner = RayRankSpawner(num_cpus=o.trainer_rank_cpus, num_gpus=o.trainer_rank_gpus,
+                                         placement_group=placed[0][0] if placed else None,
+                                         bundle_indices=tuple(i for _, i in placed), start_timeout_s=o.start_timeout_s)
+                init["rank_spawner"] = spawner  # the trainer actor installs it before it builds the engine
             w = self._watched(role, _RemoteTrain, self._actor_options("trainer", idx, o.trainer_cpus, o.trainer_gpus),
-                              factory, options, fatal=True)
-            proxy = RemoteTrainEngine(w, deadline_s=self.deadline_s)
+                              factory, options, fatal=True, **init)
+            proxy = RemoteTrainEngine(w, deadline_s=self.deadline_s,
+                                      weights=self.weights if role == "trainer" else None)
         elif section == "reward":
             workers = [self._watched(f"reward/{i}", _RemoteReward,
                                      self._actor_options("reward", i, o.reward_cpus, 0), factory, options, fatal=False)
                        for i in range(o.reward_workers)]
             proxy = RemoteRewardPool(workers, max_restarts=o.max_restarts, counters=self.counters)
+        elif section == "weight_transport" and self.weights.mode != "driver":
+            return self.weights.make_transport()  # handles pass through it; the bytes go actor to actor
         elif section == "store" and o.store == "ray" and self.resolved.config.store.name == "inprocess":
             from asyncflow_core.plugins import get_plugin_manager
             from asyncflow_core.store.options import StoreOptions

@@ -29,8 +29,9 @@ from typing import Any
 
 import ray
 
-from asyncflow_core.errors import EngineError
+from asyncflow_core.errors import EngineError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, TrainEngine
+from asyncflow_core.launchers.ray.weights import RayWeights, WeightHandle
 from asyncflow_core.types import GenerationRequest, GenerationResult, RewardInput, WeightBucket
 
 log = logging.getLogger("asyncflow.ray")
@@ -210,20 +211,24 @@ class _Description:
 class RemoteRolloutEngine(RolloutEngine):
     """A :class:`RolloutEngine` whose engine lives in a Ray actor (see :class:`~.actors.RolloutActor`).
 
-    Weight buckets go to the actor through the Ray object store: each bucket
-    is ``ray.put`` once per version and the references are shared by every
-    replica (``bucket_cache``). :meth:`restart` replaces a dead actor with a
+    Weights arrive as :class:`~.weights.WeightHandle` s under
+    ``launcher.options.weights`` ``object_store`` / ``dist`` (the actor fetches
+    or has received the bytes; see :mod:`.weights`). Under ``driver`` they
+    arrive as buckets held here, and go to the actor through the Ray object
+    store: each bucket is ``ray.put`` once per version and the references are
+    shared by every replica (``bucket_cache``). :meth:`restart` replaces a dead actor with a
     fresh one in the same placement bundle; the rollout stage then pushes the
     current weights into it before giving it work.
     """
 
     def __init__(self, watched: WatchedActor, *, deadline_s: float, max_restarts: int,
-                 bucket_cache: dict[int, Any], counters: Counter[str]) -> None:
+                 bucket_cache: dict[int, Any], counters: Counter[str], weights: RayWeights | None = None) -> None:
         self.watched = watched
         self.deadline_s = deadline_s
         self.max_restarts = max_restarts
         self.restarts = 0
         self.bucket_cache = bucket_cache  #: (version, index) -> (bucket, ObjectRef), shared by a run's replicas
+        self.weights = weights  #: the run's weight path when it is not ``driver`` (handles instead of buckets)
         self.counters = counters
         self._calls = itertools.count()
         self._desc = _Description(watched)
@@ -315,10 +320,16 @@ class RemoteRolloutEngine(RolloutEngine):
     async def resume(self) -> None:
         await self.watched.call("resume", timeout=self.watched.heartbeat_timeout_s)
 
-    async def update_weights(self, version: int, buckets: AsyncIterable[WeightBucket], *,
+    async def update_weights(self, version: int, buckets: AsyncIterable[WeightBucket | WeightHandle], *,
                              kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE) -> None:
+        items = [b async for b in buckets]
+        if items and isinstance(items[0], WeightHandle):
+            if self.weights is None:
+                raise WeightTransferError(f"{self.watched.role}: weight handles need the run's RayWeights")
+            self._desc.version = await self.weights.load(self, version, items, kv_cache)  # type: ignore[arg-type]
+            return
         refs = []
-        async for b in buckets:
+        for b in items:
             key = (b.version, b.index)
             cached = self.bucket_cache.get(key)
             if cached is not None and cached[0] is b:
@@ -360,10 +371,12 @@ class RemoteRolloutEngine(RolloutEngine):
 class RemoteTrainEngine(TrainEngine):
     """A :class:`TrainEngine` in a Ray actor. Checkpoint paths must be readable by the actor (one host, or shared)."""
 
-    def __init__(self, watched: WatchedActor, *, deadline_s: float, step_timeout_s: float | None = None) -> None:
+    def __init__(self, watched: WatchedActor, *, deadline_s: float, step_timeout_s: float | None = None,
+                 weights: RayWeights | None = None) -> None:
         self.watched = watched
         self.deadline_s = deadline_s
         self.step_timeout_s = step_timeout_s
+        self.weights = weights  #: the run's weight path; ``driver`` (or None): every bucket comes back here
         self._desc = _Description(watched)
         self._shut = False
 
@@ -395,7 +408,14 @@ class RemoteTrainEngine(TrainEngine):
                                                               timeout=self.step_timeout_s)
         return metrics
 
-    async def export_weights(self, *, bucket_bytes: int) -> AsyncIterator[WeightBucket]:  # type: ignore[override]
+    async def export_weights(  # type: ignore[override]
+        self, *, bucket_bytes: int
+    ) -> AsyncIterator[WeightBucket | WeightHandle]:
+        """The current version: buckets (``weights: driver``), or handles whose bytes never come to the driver."""
+        if self.weights is not None and self.weights.mode != "driver":
+            for h in await self.weights.export(self.watched, bucket_bytes):
+                yield h
+            return
         for b in await self.watched.call("export_weights", bucket_bytes, timeout=self.deadline_s):
             yield b
 
