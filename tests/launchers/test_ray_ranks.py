@@ -25,12 +25,12 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the ray launcher needs Ray: pip install 'asyncflow[ray]'")
 
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
-from asyncflow_core.errors import ConfigError
-from asyncflow_core.launchers.ranks import RankError, RankSpawner, rank_spawner, use_rank_spawner
-from asyncflow_core.launchers.ray.ranks import RayRankGroup, RayRankSpawner, check_one_node
-from asyncflow_core.store.deployments.ray_store import ray_listening_addresses
+from asyncflow_core.errors import ConfigError  # noqa: E402
+from asyncflow_core.launchers.ranks import RankError, RankSpawner, rank_spawner, use_rank_spawner  # noqa: E402
+from asyncflow_core.launchers.ray.ranks import RayRankGroup, RayRankSpawner, check_one_node  # noqa: E402
+from asyncflow_core.store.deployments.ray_store import ray_listening_addresses  # noqa: E402
 
 # the rank loop below travels to the rank actors by value: Ray's workers cannot import this test module
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -276,3 +276,50 @@ def test_the_trainer_pool_reserves_a_bundle_per_rank_actor_and_says_so_when_it_c
     with pytest.raises(ConfigError, match=r"trainer 0.25 \+ 2 rank actors x 64, reward"):
         big.place()
     assert big.groups == {}
+
+
+def test_megatron_tp2_on_rank_actors_steps_like_rank_processes():
+    """The megatron engine's ranks as Ray actors (tensor parallel 2 on gloo) take the step rank processes take."""
+    pytest.importorskip("asyncflow_megatron", reason="asyncflow-megatron is not installed (pip install -e "
+                        "adapters/megatron)")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from asyncflow_megatron.testing import cpu_options
+
+    from asyncflow_core import columns as C
+    from asyncflow_core.plugins import get_plugin_manager
+    from asyncflow_core.types import Batch, RaggedTensor
+
+    pm = get_plugin_manager()
+    options = pm.validate_options("train_engine", "megatron",
+                                  cpu_options(world_size=2, tensor_parallel_size=2, micro_batch_tokens=12))
+    algo = pm.create("algorithm", "grpo", {})
+    gen, rows = torch.Generator().manual_seed(1), 6
+    batch = Batch({C.PROMPT_IDS: RaggedTensor.from_sequences([torch.randint(0, 48, (2 + i % 3,), generator=gen)
+                                                              for i in range(rows)]),
+                   C.RESPONSE_IDS: RaggedTensor.from_sequences([torch.randint(0, 48, (1 + i % 4,), generator=gen)
+                                                                for i in range(rows)]),
+                   C.REWARD: (torch.arange(rows) % 3 == 0).float(), C.GROUP_ID: torch.arange(rows) // 3})
+
+    async def step():
+        engine = pm.create("train_engine", "megatron", options)
+        await engine.setup()
+        try:
+            lp = (await engine.compute_logprobs(batch))[C.LOGPROBS]
+            metrics = await engine.train_step(algo.compute_advantages(batch.with_columns(**{C.BEHAVIOR_LOGPROBS: lp})),
+                                              algo)
+            after = (await engine.compute_logprobs(batch))[C.LOGPROBS]
+            return metrics, (lp, after), sorted(_rank_actor_pids())
+        finally:
+            await engine.shutdown()
+
+    with use_rank_spawner(RayRankSpawner(num_cpus=0.5)):
+        m_ray, (before, after_ray), pids = asyncio.run(asyncio.wait_for(step(), 240))
+    m_proc, (_, after_proc), _ = asyncio.run(asyncio.wait_for(step(), 240))
+
+    assert len(pids) == 2, f"expected the two megatron ranks as RankActor processes, found {pids}"
+    assert m_ray["micro_batches"] > 1
+    assert m_ray["loss"] == pytest.approx(m_proc["loss"], rel=1e-6, abs=1e-9)
+    assert m_ray["grad_norm"] == pytest.approx(m_proc["grad_norm"], rel=1e-5)
+    assert torch.allclose(after_ray.values, after_proc.values, atol=1e-6)
+    assert not torch.allclose(after_ray.values, before.values)  # the step moved the weights
+    assert _gone(pids)
