@@ -5,7 +5,8 @@ The Ray rank group is driven directly with a trivial rank loop defined here
 deadline, placement in bundles), then the real ``fsdp`` engine at world
 size 2 is built through the ray launcher's own path (placement groups, the
 trainer actor installing the rank spawner) and one train step is compared
-with the same step on rank processes. The package's Ray (``conftest.py``)
+with the same step on rank processes; so is the ``megatron`` engine at
+tensor parallel 2 (spawner installed directly). The package's Ray (``conftest.py``)
 is loopback-only with 4 logical CPUs.
 """
 

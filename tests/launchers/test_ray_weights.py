@@ -19,14 +19,14 @@ import torch
 
 ray = pytest.importorskip("ray", reason="the ray launcher needs Ray: pip install 'asyncflow[ray]'")
 
-from asyncflow_core.errors import WeightTransferError
-from asyncflow_core.launchers.ray import remote as R
-from asyncflow_core.launchers.ray.launcher import _RemoteRollout, _RemoteTrain
-from asyncflow_core.launchers.ray.weights import HandleTransport, RayWeights, WeightHandle
-from asyncflow_core.types import pack_buckets
-from asyncflow_plugins.toy.policy import PARAM_NAME
+from asyncflow_core.errors import WeightTransferError  # noqa: E402
+from asyncflow_core.launchers.ray import remote as R  # noqa: E402
+from asyncflow_core.launchers.ray.launcher import _RemoteRollout, _RemoteTrain  # noqa: E402
+from asyncflow_core.launchers.ray.weights import HandleTransport, RayWeights, WeightHandle  # noqa: E402
+from asyncflow_core.types import pack_buckets  # noqa: E402
+from asyncflow_plugins.toy.policy import PARAM_NAME  # noqa: E402
 
-from .test_ray_launcher import _runtime_ctx, config, trained
+from .test_ray_launcher import _runtime_ctx, config, trained  # noqa: E402
 
 STEPS = 4
 #: short deadlines: a transfer that cannot finish fails in seconds instead of the default 300 s
