@@ -292,7 +292,9 @@ class FlowRuntime:
                                        batch_size=cfg.pipeline.logprob_batch, values=needs_values, lock=trainer_lock))
         adv_inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
         adv_inputs += [c for st in extra for c in st.produces]  # every added stage sees a sample first
-        stages.append(AdvantageStage(algorithm, adv_inputs, n=n, groups_per_lease=1))
+        # a lease takes every whole group that is ready, up to one step's worth (partial: it never waits for
+        # more): one store round trip per batch of groups, which an actor-backed store (ray) pays per call
+        stages.append(AdvantageStage(algorithm, adv_inputs, n=n, groups_per_lease=B))
         step_log = _StepLogger(ctx, metrics, self.progress, cfg.trainer.total_steps, sinks=_sinks(cfg, self.run_dir))
         train = TrainStage(
             trainer, algorithm, transport, rollout, consumes=adv_inputs, total_steps=cfg.trainer.total_steps,
