@@ -18,22 +18,17 @@ adapter's :func:`plan_step` (framework-neutral).
 from __future__ import annotations
 
 import asyncio
-import json
-import pickle
 import weakref
-from collections.abc import AsyncIterator
-from multiprocessing import shared_memory
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from asyncflow_core import columns as C
 from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
-from asyncflow_core.interfaces import Algorithm, LossContext, TrainEngine, TrainFeatures
+from asyncflow_core.interfaces import Algorithm, TrainEngine, TrainFeatures
+from asyncflow_core.launchers.rank_driver import RankEngineDriver, reassemble, select_rows
 from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_rank_group
-from asyncflow_core.types import Batch, RaggedTensor, WeightBucket
+from asyncflow_core.types import Batch
 from asyncflow_fsdp.packing import StepPlan, plan_step
 from asyncflow_megatron import hf_mapping as hm
 from asyncflow_megatron.config import MegatronTrainConfig
@@ -59,12 +54,14 @@ def check_model(config: MegatronTrainConfig) -> hm.Architecture:
     return arch
 
 
-class MegatronTrainEngine(TrainEngine):
+class MegatronTrainEngine(RankEngineDriver, TrainEngine):
     """A Hugging Face-architecture policy as a megatron-core GPTModel over ``world_size`` spawned ranks.
 
     Methods are called one at a time (the runtime serialises them); a call
     made while another is running raises :class:`EngineError`.
     """
+
+    engine_name = "megatron"
 
     def __init__(self, config: MegatronTrainConfig) -> None:
         self.config = config
@@ -125,7 +122,8 @@ class MegatronTrainEngine(TrainEngine):
         group = start_rank_group(c.world_size, rank_main, (c.model_dump(mode="json"),), start_method=c.start_method,
                                  preload=FORKSERVER_PRELOAD, name="asyncflow-megatron-rank")
         self._group = group
-        # an engine dropped without shutdown() still ends its ranks (daemonic ranks, and rank actors, also end with this process)
+        # an engine dropped without shutdown() still ends its ranks (daemonic ranks and rank actors also end with
+        # this process)
         self._finalizer = weakref.finalize(self, group.stop, grace_s=0)
         port = group.call("bind", timeout_s=c.setup_timeout_s, what="setup (rendezvous)")[0]
         self._infos = group.call("setup", same={"port": port}, timeout_s=c.setup_timeout_s, what="setup")
@@ -151,124 +149,26 @@ class MegatronTrainEngine(TrainEngine):
         replies = await self._run("compute_logprobs", group.call, "logprobs", payloads,
                                   timeout_s=self.config.timeout_s, what="compute_logprobs")
         per_replica = self._answers(replies)
-        return batch.with_columns(**{C.LOGPROBS: _reassemble(plan, per_replica, batch.num_rows)})
+        return batch.with_columns(**{C.LOGPROBS: reassemble(plan.rank_rows, per_replica, batch.num_rows)})
 
     # -- train ------------------------------------------------------------------
 
     async def train_step(self, batch: Batch, algorithm: Algorithm) -> dict[str, float]:
         group = self._ready()
         self._validate(batch, (C.PROMPT_IDS, C.RESPONSE_IDS, C.ADVANTAGES, *algorithm.required_columns))
-        if batch.num_rows == 0:
-            raise ValueError("train_step needs at least one row")
-        try:
-            algo_bytes = pickle.dumps(algorithm)
-        except Exception as exc:
-            raise ValueError(f"the algorithm must be picklable to reach the ranks: {exc}") from exc
-        resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
-        ctx = LossContext(global_tokens=max(resp.numel_packed, 1), global_sequences=max(batch.num_rows, 1),
-                          policy_version=self._version)
+        algo_bytes, ctx = self._step_inputs(batch, algorithm)
         plan = self._plan(batch)
         payloads = self._per_rank(plan, batch, None, {"ctx": ctx, "algorithm": algo_bytes})
         replies = await self._run("train_step", group.call, "train", payloads, timeout_s=self.config.timeout_s,
                                   what="train_step")
-        grad_norm = replies[0]["grad_norm"]
-        if not replies[0]["stepped"]:
-            raise EngineError(f"train_step: the gradient norm is {grad_norm} (not finite); the step was skipped and "
-                              f"the weights are unchanged (version stays {self._version}). Check the algorithm's "
-                              "inputs (advantages, log-probs) and the learning rate")
-        self._version += 1
-        answering = [r for r in replies if r["answers"]]
-        tokens = sum(r["tokens"] for r in answering)
-        weighted: dict[str, float] = {}
-        for r in answering:
-            for k, v in r["weighted"].items():
-                weighted[k] = weighted.get(k, 0.0) + v
-        out = {f"algo/{k}": v / max(tokens, 1) for k, v in weighted.items()}
-        out.update(loss=sum(r["loss_sum"] for r in answering), grad_norm=grad_norm, micro_batches=float(plan.passes),
-                   tokens=float(tokens))
-        return out
-
-    # -- weights ----------------------------------------------------------------
-
-    async def export_weights(self, *, bucket_bytes: int) -> AsyncIterator[WeightBucket]:
-        group = self._ready()
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-        self._claim("export_weights")
-        try:
-            t = self.config.timeout_s
-            chunks = (await asyncio.to_thread(group.call, "export_plan", same={"bucket_bytes": bucket_bytes},
-                                              timeout_s=t, what="export_weights"))[0]
-            index = 0
-            for i in range(chunks):
-                job = {"index": i, "version": self._version, "bucket_bytes": bucket_bytes}
-                described = (await asyncio.to_thread(group.call, "export_chunk", same=job, timeout_s=t,
-                                                     what=f"export_weights (chunk {i})"))[0]
-                # copy every segment of this chunk out at once: none is left behind if the consumer stops early
-                buffers = [_from_shared_memory(d["shm"], d["nbytes"]) for d in described]
-                for j, (d, buffer) in enumerate(zip(described, buffers, strict=True)):
-                    last = i == chunks - 1 and j == len(described) - 1
-                    yield WeightBucket(self._version, index, tuple(d["metas"]), buffer, d["checksum"], last)
-                    index += 1
-            await asyncio.to_thread(group.call, "export_done", timeout_s=t, what="export_weights")
-        finally:
-            self._busy = None
-
-    async def save(self, path: Path) -> None:
-        group = self._ready()
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        await self._run("save", group.call, "save", same={"path": str(path), "version": self._version},
-                        timeout_s=self.config.timeout_s, what=f"save({path})")
-
-    async def load(self, path: Path) -> None:
-        group = self._ready()
-        path = Path(path)
-        meta_file = path / "asyncflow_megatron.json"
-        if not meta_file.is_file():
-            raise EngineError(f"no complete megatron checkpoint at {path} (no {meta_file.name}); give the directory "
-                              "save() wrote")
-        meta = json.loads(meta_file.read_text())
-        if meta.get("format") != "asyncflow-megatron/1":
-            raise EngineError(f"{meta_file} has format {meta.get('format')!r}; this engine reads asyncflow-megatron/1")
-        versions = await self._run("load", group.call, "load", same={"path": str(path)},
-                                   timeout_s=self.config.timeout_s, what=f"load({path})")
-        self._version = int(versions[0])
-
-    async def export_pretrained(self, path: Path) -> None:
-        """Write a Hugging Face directory (``model.safetensors`` in the export dtype, ``config.json``, tokenizer files).
-
-        The result loads with ``AutoModelForCausalLM.from_pretrained(path)``.
-        """
-        group = self._ready()
-        await self._run("export_hf", group.call, "export_hf", same={"path": str(Path(path))},
-                        timeout_s=self.config.timeout_s, what=f"export_pretrained({path})")
+        return self._finish_step(replies, plan.passes)
 
     # -- helpers ----------------------------------------------------------------
-
-    def _ready(self) -> RankHandle:
-        if self._group is None:
-            raise EngineError("call setup() before using the megatron train engine (or it was shut down)")
-        return self._group
-
-    def _claim(self, what: str) -> None:
-        if self._busy is not None:
-            raise EngineError(f"{what} called while {self._busy} is running; the engine runs one call at a time "
-                              "(finish or close the export iterator first)")
-        self._busy = what
-
-    async def _run(self, label: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run blocking ``fn`` off the event loop, one engine call at a time."""
-        self._claim(label)
-        try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        finally:
-            self._busy = None
 
     def _per_rank(self, plan: StepPlan, batch: Batch, names: tuple[str, ...] | None,
                   extra: dict[str, Any]) -> list[dict[str, Any]]:
         """Every rank gets its data-parallel replica's rows (all TP and PP ranks of a replica see the same rows)."""
-        replicas = [{"batch": _rows(batch, rows, names), "micro_batches": mbs, **extra}
+        replicas = [{"batch": select_rows(batch, rows, names), "micro_batches": mbs, **extra}
                     for rows, mbs in zip(plan.rank_rows, plan.rank_micro_batches, strict=True)]
         return [replicas[info["dp_rank"]] for info in self._infos]
 
@@ -281,62 +181,13 @@ class MegatronTrainEngine(TrainEngine):
         return out
 
     def _validate(self, batch: Batch, names: tuple[str, ...]) -> None:
-        missing = [n for n in dict.fromkeys(names) if n not in batch]
-        if missing:
-            raise ValueError(f"batch lacks columns {missing}; it has {sorted(batch.columns)}")
-        vocab = self._arch.vocab_size if self._arch else 0
-        for name in (C.PROMPT_IDS, C.RESPONSE_IDS):
-            ids = batch[name]
-            if not isinstance(ids, RaggedTensor):
-                raise ValueError(f"{name} must be a ragged column (RaggedTensor), got {type(ids).__name__}")
-            if ids.values.is_floating_point() or ids.values.dim() != 1:
-                raise ValueError(f"{name} must hold 1-D integer token ids, got {ids.values.dtype} "
-                                 f"with shape {tuple(ids.values.shape)}")
-            if ids.numel_packed and (int(ids.values.min()) < 0 or int(ids.values.max()) >= vocab):
-                raise ValueError(f"{name} holds token ids outside the model's vocabulary [0, {vocab})")
-        if batch.num_rows and bool((batch[C.PROMPT_IDS].lengths == 0).any()):  # type: ignore[union-attr]
-            raise ValueError("every row needs a non-empty prompt (the first response token is scored from it)")
-        longest = int((batch[C.PROMPT_IDS].lengths + batch[C.RESPONSE_IDS].lengths).max()) if batch.num_rows else 0
-        if self._arch is not None and longest > self._arch.max_position_embeddings:
-            raise ValueError(f"a row has {longest} tokens, more than the model's max_position_embeddings "
-                             f"{self._arch.max_position_embeddings}")
-        for name in (C.ADVANTAGES, C.BEHAVIOR_LOGPROBS, C.OLD_LOGPROBS, C.REF_LOGPROBS):
-            col = batch.get(name)
-            if isinstance(col, RaggedTensor) and not torch.equal(col.offsets, batch[C.RESPONSE_IDS].offsets):
-                raise ValueError(f"{name} is not aligned with response_ids (different lengths per row)")
+        arch = self._arch
+        self._check_batch(batch, names, vocab=arch.vocab_size if arch else 0,
+                          max_positions=arch.max_position_embeddings if arch else None)
 
     def _plan(self, batch: Batch) -> StepPlan:
         lengths = batch[C.PROMPT_IDS].lengths + batch[C.RESPONSE_IDS].lengths  # type: ignore[union-attr]
         return plan_step(lengths, self.config.data_parallel_size, self.config.micro_batch_tokens)
-
-
-def _rows(batch: Batch, rows: torch.Tensor, names: tuple[str, ...] | None) -> Batch:
-    part = batch.select(rows)
-    part = part.project(list(names)) if names is not None else part
-    return Batch(dict(part), num_rows=part.num_rows)  # no row ids: the ranks do not need them
-
-
-def _reassemble(plan: StepPlan, per_replica: list[list[torch.Tensor]], rows: int) -> RaggedTensor:
-    """Per-replica per-row pieces back into the batch's row order."""
-    pieces: list[torch.Tensor] = [torch.empty(0, dtype=torch.float32)] * rows
-    for replica_rows, replica_pieces in zip(plan.rank_rows, per_replica, strict=True):
-        for row, piece in zip(replica_rows.tolist(), replica_pieces, strict=True):
-            pieces[row] = piece.to(torch.float32)
-    return RaggedTensor.from_sequences(pieces, dtype=torch.float32)
-
-
-def _from_shared_memory(name: str, nbytes: int) -> torch.Tensor:
-    """Copy a rank's bucket out of its shared-memory segment into a tensor this process owns; unlink the segment."""
-    shm = shared_memory.SharedMemory(name=name)
-    try:
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        src = np.ndarray((nbytes,), dtype=np.uint8, buffer=shm.buf)
-        out.numpy()[:] = src
-        del src
-    finally:
-        shm.close()
-        shm.unlink()
-    return out
 
 
 __all__ = ["MegatronTrainEngine", "check_model"]
