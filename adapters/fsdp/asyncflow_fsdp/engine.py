@@ -64,6 +64,7 @@ class FSDPTrainEngine(RankEngineDriver, TrainEngine):
         self._version = 0
         self._busy: str | None = None
         self._info: dict[str, Any] = {}
+        self._rank_devices: list[str] = []
         self._device_type = "cpu"
         self._finalizer: weakref.finalize | None = None
 
@@ -81,6 +82,11 @@ class FSDPTrainEngine(RankEngineDriver, TrainEngine):
     def info(self) -> dict[str, Any]:
         """What rank 0 reported at setup: device, backend, vocab size, parameter count, architecture."""
         return dict(self._info)
+
+    @property
+    def rank_devices(self) -> list[str]:
+        """The device each rank reported at setup, by rank (``cuda:r`` on a host whose GPUs every rank sees)."""
+        return list(self._rank_devices)
 
     @property
     def rank_pids(self) -> list[int]:
@@ -124,6 +130,7 @@ class FSDPTrainEngine(RankEngineDriver, TrainEngine):
         infos = group.call("setup", same={"port": port, "device": self._device_type}, timeout_s=c.setup_timeout_s,
                            what="setup")
         self._info = infos[0]
+        self._rank_devices = [str(info["device"]) for info in infos]
 
     async def shutdown(self) -> None:
         group, self._group = self._group, None

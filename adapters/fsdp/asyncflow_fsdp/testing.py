@@ -8,6 +8,7 @@ lives in an importable module because algorithms are pickled to the ranks.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -30,8 +31,10 @@ TINY_QWEN2: dict[str, Any] = {
 
 
 def tiny_options(**overrides: Any) -> dict[str, Any]:
-    """Options of an ``fsdp`` engine on :data:`TINY_QWEN2`, one torch thread per rank, a visible learning rate."""
-    return {"model": {"hf_config": dict(TINY_QWEN2)}, "lr": 1e-2, "cpu_threads_per_rank": 1, **overrides}
+    """Options of an ``fsdp`` engine on :data:`TINY_QWEN2` on the CPU in float32, one torch thread per rank, a
+    visible learning rate (pinned, so a test's figures do not depend on whether the host has a GPU)."""
+    return {"model": {"hf_config": dict(TINY_QWEN2)}, "device": "cpu", "mixed_precision": "float32", "lr": 1e-2,
+            "cpu_threads_per_rank": 1, **overrides}
 
 
 class GRPOWithValueLoss(GRPO):
@@ -55,3 +58,73 @@ class FailingAlgorithm(GRPO):
 
     def loss(self, logprobs: RaggedTensor, batch: Batch, ctx: LossContext) -> tuple[torch.Tensor, dict[str, float]]:
         raise RuntimeError("deliberate failure in loss")
+
+
+def meta_init_report(rank: int, world_size: int, directory: str, model: dict[str, Any], seed: int = 0) -> None:
+    """One rank of a gloo group (spawned by a test): build the sharded model as the engine does, report it.
+
+    Writes ``rank{rank}.pt`` in ``directory``: the full (gathered) float32
+    parameters, every buffer, whether all parameters were on the meta device
+    before :func:`asyncflow_fsdp.init.materialize_from_rank0`, and whether
+    the input and output embeddings are one parameter afterwards.
+    """
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from asyncflow_core.config.models import ModelConfig
+    from asyncflow_fsdp.init import materialize_from_rank0, meta_skeleton
+    from asyncflow_fsdp.worker import _decoder_blocks, _loopback_interface
+    from asyncflow_plugins.hf.model import build_causal_lm
+
+    torch.set_num_threads(1)
+    lo = _loopback_interface()
+    if lo is not None:  # gloo's sockets on loopback
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    store = dist.FileStore(str(Path(directory) / "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        cfg = ModelConfig.model_validate(model)
+        source = build_causal_lm(cfg, seed=seed) if rank == 0 else None
+        net = meta_skeleton(cfg)
+        was_meta = all(p.is_meta for p in net.parameters())
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in _decoder_blocks(net):
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        materialize_from_rank0(net, source, torch.device("cpu"))
+        params = {name: p.full_tensor().clone() for name, p in net.named_parameters()}
+        out = net.get_output_embeddings()
+        report = {"params": params, "buffers": {n: b.clone() for n, b in net.named_buffers()}, "was_meta": was_meta,
+                  "tied": out is not None and out.weight is net.get_input_embeddings().weight,
+                  "local_numel": sum(p.to_local().numel() for p in net.parameters())}
+        torch.save(report, Path(directory) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+#: unit roundoff of bfloat16 (8 significant bits): one rounding is off by at most this fraction of the value
+BF16_UNIT_ROUNDOFF = 2.0**-8
+#: bf16 roundings per decoder layer on a logit's path (q/k/v and output projections, attention scores and
+#: weights, gate/up/down projections, the activation, two residual adds)
+BF16_ROUNDINGS_PER_LAYER = 10
+
+
+def bf16_relative_error(num_layers: int) -> float:
+    """Worst-case relative error of a logit (and of gradients) computed in bf16 through ``num_layers`` layers.
+
+    Each rounding on the path (per layer, plus the embedding and the head)
+    adds at most one unit roundoff.
+    """
+    return (BF16_ROUNDINGS_PER_LAYER * num_layers + 2) * BF16_UNIT_ROUNDOFF
+
+
+def bf16_logprob_atol(logits_scale: float, num_layers: int) -> float:
+    """Largest log-prob error bf16 compute causes on logits of magnitude up to ``logits_scale``.
+
+    A log-prob is a logit minus the log-sum-exp of the logits: the logits'
+    absolute error, ``bf16_relative_error * logits_scale``, counts twice.
+    """
+    return 2 * bf16_relative_error(num_layers) * logits_scale

@@ -47,7 +47,9 @@ from asyncflow_core.interfaces import LossContext
 from asyncflow_core.types import Batch, RaggedTensor, pack_buckets
 from asyncflow_core.types.weights import BUCKET_ALIGNMENT
 from asyncflow_fsdp.config import FSDPTrainConfig
+from asyncflow_fsdp.devices import rank_device
 from asyncflow_fsdp.forward import layout, score
+from asyncflow_fsdp.init import materialize_from_rank0, meta_skeleton
 from asyncflow_plugins.hf.model import DTYPES, build_causal_lm
 
 CHECKPOINT_FORMAT = "asyncflow-fsdp/1"
@@ -138,8 +140,8 @@ class RankWorker:
         else:
             store = dist.TCPStore("127.0.0.1", port, self.world_size, False, timeout=timeout, use_libuv=False)
         if device_type == "cuda":
-            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
+            self.device = rank_device(self.rank, torch.cuda.device_count())
+            torch.cuda.set_device(self.device)  # before anything allocates on CUDA (NCCL's communicator too)
             backend = "nccl"
         else:
             backend = "gloo"
@@ -148,13 +150,15 @@ class RankWorker:
 
         if c.model is None:
             raise ValueError("no model: set the run's `model` section or the engine's `model` option")
-        net = build_causal_lm(c.model, seed=c.seed, device="cpu")
+        # rank 0 alone builds the real model (from the checkpoint or the seed) on the CPU; every rank shards an
+        # empty float32 skeleton (the master weights; the compute dtype is the mixed-precision policy's) and then
+        # receives its slices from rank 0: no rank holds the whole model on its device, only rank 0 in CPU memory
+        source = build_causal_lm(c.model, seed=c.seed, device="cpu") if self.rank == 0 else None
+        net = meta_skeleton(c.model)
         self._architecture = type(net).__name__
         self._keep_logits = "logits_to_keep" in inspect.signature(net.forward).parameters
-        net = net.float()  # float32 master weights; the compute dtype is the mixed-precision policy's
         if c.gradient_checkpointing:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        net.to(self.device)
         mesh = init_device_mesh(device_type, (self.world_size,))
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": c.reshard_after_forward}
         if device_type == "cuda" and c.mixed_precision == "bfloat16":
@@ -163,6 +167,8 @@ class RankWorker:
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(net, **kwargs)
+        materialize_from_rank0(net, source, self.device)
+        del source
         self.model = net
         self._fsdp = [m for m in net.modules() if isinstance(m, FSDPModule)]
         modules: dict[str, torch.nn.Module] = {"policy": net}

@@ -18,7 +18,9 @@ adapter's :func:`plan_step` (framework-neutral).
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_ran
 from asyncflow_core.types import Batch
 from asyncflow_fsdp.packing import StepPlan, plan_step
 from asyncflow_megatron import hf_mapping as hm
+from asyncflow_megatron.checkpoint import load_problem
 from asyncflow_megatron.config import MegatronTrainConfig
 from asyncflow_megatron.versions import require_megatron
 
@@ -89,6 +92,11 @@ class MegatronTrainEngine(RankEngineDriver, TrainEngine):
         return dict(self._infos[0]) if self._infos else {}
 
     @property
+    def rank_devices(self) -> list[str]:
+        """The device each rank reported at setup, by rank (``cuda:r`` on a host whose GPUs every rank sees)."""
+        return [str(info["device"]) for info in self._infos]
+
+    @property
     def rank_pids(self) -> list[int]:
         """Process ids of the ranks (empty before setup and after shutdown)."""
         return self._group.pids if self._group is not None else []
@@ -135,6 +143,17 @@ class MegatronTrainEngine(RankEngineDriver, TrainEngine):
             self._finalizer = None
         if group is not None:
             await asyncio.to_thread(group.stop)
+
+    async def load(self, path: Path) -> None:
+        """Restore a checkpoint of :meth:`save`; one whose optimizer layout this engine cannot read is refused first."""
+        meta_file = Path(path) / "asyncflow_megatron.json"
+        if meta_file.is_file():
+            c = self.config
+            problem = load_problem(json.loads(meta_file.read_text()), distributed=c.use_distributed_optimizer,
+                                   tp=c.tensor_parallel_size, pp=c.pipeline_parallel_size)
+            if problem:
+                raise EngineError(f"cannot load {path}: {problem}")
+        await super().load(path)
 
     # -- forward ----------------------------------------------------------------
 

@@ -6,6 +6,7 @@ layers find their tensor-parallel group and pipeline stage there.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -29,6 +30,22 @@ def te_available() -> bool:
     return True
 
 
+#: the CUDA extensions megatron-core's FusedScaleMaskSoftmax imports when masked_softmax_fusion is on (built by Apex
+#: or Megatron-LM's fused_kernels; the megatron-core wheel ships none of them)
+FUSED_SOFTMAX_EXTENSIONS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda",
+                            "scaled_softmax_cuda")
+
+
+def fused_softmax_available() -> bool:
+    """Whether the fused softmax kernels import (else megatron-core must use its torch softmax)."""
+    for name in FUSED_SOFTMAX_EXTENSIONS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - not built, or built for another torch/CUDA: either way unusable
+            return False
+    return True
+
+
 def resolve_impl(requested: str, device_type: str) -> str:
     """``auto`` -> ``transformer_engine`` on CUDA when it imports, else ``local``."""
     if requested == "auto":
@@ -37,8 +54,13 @@ def resolve_impl(requested: str, device_type: str) -> str:
 
 
 def transformer_config_kwargs(arch: Architecture, *, tp: int, pp: int, sequence_parallel: bool,
-                              params_dtype: torch.dtype, cpu: bool, recompute: bool) -> dict[str, Any]:
-    """The TransformerConfig arguments of ``arch`` (one place, so a test can read the mapping without a model)."""
+                              params_dtype: torch.dtype, cpu: bool, recompute: bool,
+                              fused_softmax: bool | None = None) -> dict[str, Any]:
+    """The TransformerConfig arguments of ``arch`` (one place, so a test can read the mapping without a model).
+
+    ``fused_softmax``: whether the fused softmax kernels can be used on CUDA; None asks
+    :func:`fused_softmax_available`.
+    """
     bf16 = params_dtype == torch.bfloat16
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -82,7 +104,12 @@ def transformer_config_kwargs(arch: Architecture, *, tp: int, pp: int, sequence_
         kwargs.update(bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
                       persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False)
     else:
-        kwargs.update(bias_activation_fusion=True, masked_softmax_fusion=True, apply_rope_fusion=False,
+        # megatron-core's FusedScaleMaskSoftmax imports the scaled_*softmax_cuda extensions whenever the fusion is
+        # on and the shapes qualify (bf16/fp16 input); without them the first forward raises ImportError, so the
+        # fusion is on only where they import. Transformer Engine's attention does not use this flag.
+        if fused_softmax is None:
+            fused_softmax = fused_softmax_available()
+        kwargs.update(bias_activation_fusion=True, masked_softmax_fusion=fused_softmax, apply_rope_fusion=False,
                       gradient_accumulation_fusion=False)
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)

@@ -34,6 +34,8 @@ from asyncflow_core import columns as C
 from asyncflow_core.interfaces import LossContext
 from asyncflow_core.types import Batch, RaggedTensor, pack_buckets
 from asyncflow_core.types.sampling import sampling_logprobs
+from asyncflow_fsdp.devices import rank_device
+from asyncflow_megatron import checkpoint as mc
 from asyncflow_megatron import hf_mapping as hm
 from asyncflow_megatron.config import MegatronTrainConfig
 
@@ -147,8 +149,8 @@ class RankWorker:
 
             cpu_patch.enable()
         else:
-            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
+            self.device = rank_device(self.rank, torch.cuda.device_count())
+            torch.cuda.set_device(self.device)  # before anything allocates on CUDA (NCCL's communicator too)
         lo = _loopback_interface()
         if lo is not None:  # gloo's and NCCL's own sockets on loopback too, not only the rendezvous
             os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
@@ -480,10 +482,9 @@ class RankWorker:
 
     # -- checkpoints ------------------------------------------------------------
 
-    def _sharded_state(self) -> dict[str, Any]:
+    def _sharded_state(self, *, is_loading: bool = False) -> dict[str, Any]:
         # the GPTModel's own keys (the DDP wrapper would prefix them with "module.")
-        model_sd = self.model.module.sharded_state_dict()
-        return {"model": model_sd, "optimizer": self.optimizer.sharded_state_dict(model_sd)}
+        return mc.sharded_state(self.model.module, self.optimizer, is_loading=is_loading)
 
     def op_save(self, payload: dict[str, Any]) -> None:
         """dist_checkpointing of model + optimizer (sharded, reshardable across TP/PP/DP), RNG per rank, meta file."""
@@ -507,7 +508,8 @@ class RankWorker:
             meta = {"format": CHECKPOINT_FORMAT, "version": payload["version"], "world_size": self.world_size,
                     "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
                     "architecture": self.arch.model_type if self.arch else None,
-                    "megatron_names": "transformer_engine" if self.impl == "transformer_engine" else "local"}
+                    "megatron_names": "transformer_engine" if self.impl == "transformer_engine" else "local",
+                    "optimizer_format": mc.optimizer_format(self.config.use_distributed_optimizer)}
             tmp = path / (META_FILE + ".tmp")
             tmp.write_text(json.dumps(meta, indent=2))
             tmp.replace(path / META_FILE)
@@ -519,9 +521,13 @@ class RankWorker:
 
         path = Path(payload["path"])
         meta = json.loads((path / META_FILE).read_text())
-        state = dist_checkpointing.load(self._sharded_state(), str(path / "dist_ckpt"))
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(path / "dist_ckpt"))
+        # no autograd: the distributed optimizer copies into float32 main shards that are views of the parameters
+        with torch.no_grad():
+            self.model.module.load_state_dict(state["model"])
+            steps = mc.checkpoint_steps(self.optimizer, state["optimizer"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            mc.restore_torch_adam_steps(self.optimizer, steps)
         rng_file = path / f"rng_rank{self.rank}.pt"
         if meta.get("world_size") == self.world_size and rng_file.exists():
             rng = torch.load(rng_file, weights_only=True)
