@@ -27,7 +27,10 @@ def _make_shm(config: ShmTransportConfig):
 def _make_dist(config: DistTransportConfig):
     from asyncflow_plugins.weight_transports.dist import DistWeightTransport
 
-    return DistWeightTransport(config)
+    device = config.device
+    if device is not None and device.isdigit():
+        device = int(device)
+    return DistWeightTransport(config, device=device)
 
 
 def _make_disk(config: DiskTransportConfig):

@@ -43,6 +43,12 @@ class DistTransportConfig(BaseModel):
     backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="gloo moves CPU buffers; nccl moves CUDA buffers (receivers get them on their device)."
     )
+    device: str | None = Field(
+        None,
+        pattern=r"^(cuda(:\d+)?|\d+)$",
+        description="nccl only: this rank's CUDA device (an index or cuda:N). Unset: LOCAL_RANK when the launcher "
+        "sets it, else the current device of the process that builds the transport.",
+    )
     chunk_mb: float = Field(16.0, gt=0, description="Size of one broadcast message in MiB (the last is shorter).")
     join_timeout_s: float = Field(120.0, gt=0, description="How long the ranks may take to join the group.")
     poll_interval_s: float = Field(0.002, gt=0, description="How often control keys are checked while waiting.")
@@ -54,6 +60,9 @@ class DistTransportConfig(BaseModel):
         if self.world_size > 1 and self.port == 0:
             raise ValueError("a group of several ranks needs a fixed port that every rank is given (port=0 picks one "
                              "only this process knows)")
+        if self.device is not None and self.backend != "nccl":
+            raise ValueError(f"device={self.device!r} applies to backend 'nccl' only (gloo moves CPU buffers); "
+                             "remove it or set backend: nccl")
         return self
 
     @property

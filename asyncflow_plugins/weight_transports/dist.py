@@ -36,6 +36,18 @@ which. ``receive`` on a receiver rank yields the newest staged version; on
 the source rank it yields what it sent. Receiver ranks take every version
 the source sends (a broadcast needs every rank), whether or not a
 ``receive`` is waiting.
+
+NCCL (read against torch 2.13.0, never run here). Each rank's CUDA device is
+chosen in the constructor's thread (``device=``, else ``LOCAL_RANK``, else
+that thread's current device) and set in every helper thread that touches
+the group, because a thread's current device defaults to 0. The group is
+connected when it forms (``eager_connect_single_device``). A dead peer does
+not fail an NCCL broadcast, it leaves it pending: each rank polls its works
+until the transfer's deadline and then aborts the group (the pending kernels
+exit, the process survives), so the transport is broken and must be rebuilt,
+as after a failed gloo broadcast. Before each transfer the group's timeout
+(all ``ProcessGroupNCCL`` honours) is set past that deadline, so NCCL's
+watchdog, which would terminate the process, never fires first.
 """
 
 from __future__ import annotations
@@ -56,6 +68,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.errors import WeightTransferError
 from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport, check_whole_version
+from asyncflow_core.store.deployments.nccl_support import (
+    DeviceSpec,
+    abort_group,
+    new_nccl_group,
+    resolve_cuda_device,
+    settle,
+    use_device,
+    watchdog_timeout_s,
+)
 from asyncflow_core.types import WeightBucket
 from asyncflow_plugins.weight_transports.config import DistTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
@@ -110,7 +131,7 @@ def _wait_for_joins() -> None:
 class _Group:
     """The transport's rendezvous store (loopback only) and process group."""
 
-    def __init__(self, config: DistTransportConfig) -> None:
+    def __init__(self, config: DistTransportConfig, device: torch.device) -> None:
         timeout = timedelta(seconds=config.join_timeout_s)
         if config.rank == 0:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -126,33 +147,65 @@ class _Group:
                                        use_libuv=False)
         self.kv = dist.PrefixStore(KEY_PREFIX, self.store)
         pg_store = dist.PrefixStore(KEY_PREFIX + "pg/", self.store)
+        self.device = device
         if config.backend == "gloo":
             options = dist.ProcessGroupGloo._Options()
             options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             options._timeout = timeout
             self.pg: Any = dist.ProcessGroupGloo(pg_store, config.rank, config.world_size, options)
-            self.device = torch.device("cpu")
         else:
-            if not torch.cuda.is_available() or not hasattr(dist, "ProcessGroupNCCL"):
-                raise WeightTransferError("backend='nccl' needs CUDA and a torch build with NCCL; use backend='gloo'")
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(pg_store, config.rank, config.world_size, options)
+            if not hasattr(dist, "ProcessGroupNCCL"):
+                raise WeightTransferError("backend='nccl' needs a torch build with NCCL; use backend='gloo'")
+            # formed now, on this rank's own device (the caller's choice, set in this thread first)
+            self.pg = new_nccl_group(pg_store, config.rank, config.world_size, device,
+                                     timeout_s=watchdog_timeout_s(config.join_timeout_s),
+                                     name=f"asyncflow-dist-weights-{config.port}")
 
     def broadcast(self, tensor: torch.Tensor, root: int, timeout_s: float) -> Any:
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        opts.timeout = timedelta(seconds=max(timeout_s, _MIN_OP_TIMEOUT_S))
+        opts.timeout = timedelta(seconds=max(timeout_s, _MIN_OP_TIMEOUT_S))  # gloo honours it; NCCL does not
         return self.pg.broadcast([tensor], opts)
+
+    def bound_transfer(self, end: float) -> None:
+        """NCCL: let the watchdog's timeout for the next works lie past ``end``, so :meth:`finish` aborts first.
+
+        ``ProcessGroupNCCL`` gives each work its group's timeout when it is
+        issued (``assignTimeoutToWork``) and ignores ``opts.timeout``.
+        """
+        if self.device.type == "cuda":
+            self.pg.set_timeout(timedelta(seconds=watchdog_timeout_s(max(end - time.monotonic(), _MIN_OP_TIMEOUT_S))))
+
+    def finish(self, works: list[Any], end: float, what: str) -> None:
+        """Wait for ``works`` until ``end``. gloo: a dead peer fails them. NCCL: it would not, so past ``end``
+        the group is aborted (its kernels exit, the process lives on) and the transfer fails."""
+        if self.device.type != "cuda":
+            for work in works:
+                work.wait()
+            return
+        if not settle(works, end):
+            abort_group(self.pg)
+            raise WeightTransferError(f"{what} did not complete before the deadline (a rank died or stalled); "
+                                      "the NCCL group was aborted")
+        for work in works:
+            work.wait()  # completed: orders this thread's stream after NCCL's and raises a recorded error
+        torch.cuda.synchronize(self.device)
 
 
 class DistWeightTransport(WeightTransport):
     """Broadcasts each version from ``source_rank`` to every other rank of its own loopback group."""
 
-    def __init__(self, config: DistTransportConfig | None = None) -> None:
+    def __init__(self, config: DistTransportConfig | None = None, *, device: DeviceSpec = None) -> None:
+        """``device`` (NCCL only): this rank's CUDA device, an index or ``"cuda:N"``.
+
+        Without it: ``LOCAL_RANK`` when set, else the current device of the
+        thread constructing the transport. The choice is made here, in the
+        caller's thread: the group is built and driven from helper threads,
+        whose current device would be 0 on every rank.
+        """
         self.config = config or DistTransportConfig()
+        self.device = resolve_cuda_device(device) if self.config.backend == "nccl" else torch.device("cpu")
         self.is_source = self.config.rank == self.config.source_rank
         self._group: _Group | None = None
         self._joined = threading.Event()
@@ -179,7 +232,8 @@ class DistWeightTransport(WeightTransport):
         with _JOINING_LOCK:
             _JOINING[me] = time.monotonic() + self.config.join_timeout_s
         try:
-            self._group = _Group(self.config)
+            use_device(self.device)  # this thread builds the group and (receivers) listens on it
+            self._group = _Group(self.config, self.device)
         except Exception as exc:  # noqa: BLE001 - reported by send/receive
             self._join_error = f"rank {self.config.rank} could not join the weight group on 127.0.0.1:" \
                                f"{self.config.port}: {exc}"
@@ -188,8 +242,6 @@ class DistWeightTransport(WeightTransport):
             with _JOINING_LOCK:
                 _JOINING.pop(me, None)
             self._joined.set()
-        if self.config.backend == "nccl":
-            torch.cuda.set_device(self._group.device)
         if not self.is_source:
             try:
                 self._listen(self._group)
@@ -214,8 +266,8 @@ class DistWeightTransport(WeightTransport):
             if state == "go":
                 self._receive_payload(group, ann, payload, end)
             else:
-                self._failure = (ann.weights.version, f"version {ann.weights.version} was announced but not "
-                                 "broadcast: a rank missed the deadline before all had joined the transfer")
+                self._failure = (ann.weights.version, (f"version {ann.weights.version} was announced but not "
+                                 "broadcast: a rank missed the deadline before all had joined the transfer"))
             seq += 1
 
     def _decide(self, group: _Group, seq: int, end: float, *, propose_on_timeout: str) -> str:
@@ -230,14 +282,12 @@ class DistWeightTransport(WeightTransport):
     def _receive_payload(self, group: _Group, ann: Announcement, payload: torch.Tensor, end: float) -> None:
         version = ann.weights.version
         try:
+            group.bound_transfer(end)
             works = [
                 group.broadcast(payload[a:b], self.config.source_rank, end - time.monotonic())
                 for a, b in chunk_ranges(ann.weights.total_bytes, ann.chunk_bytes)
             ]
-            for work in works:
-                work.wait()
-            if payload.is_cuda:
-                torch.cuda.synchronize(payload.device)
+            group.finish(works, end, f"the broadcast of version {version} to rank {self.config.rank}")
         except Exception as exc:
             self._broken = f"the broadcast of version {version} failed on rank {self.config.rank}: {exc}"
             with contextlib.suppress(Exception):
@@ -299,8 +349,7 @@ class DistWeightTransport(WeightTransport):
                               seconds=time.perf_counter() - start)
 
     def _broadcast(self, group: _Group, buckets: list[WeightBucket], end: float) -> None:
-        if group.device.type == "cuda":
-            torch.cuda.set_device(group.device)
+        use_device(group.device)  # a fresh worker thread of asyncio.to_thread: its current device is 0
         cfg = self.config
         weights = manifest_for(buckets)
         self._seq += 1
@@ -321,9 +370,9 @@ class DistWeightTransport(WeightTransport):
                                       "deadline; the previous version stays current")
         payload = self._payload_messages(buckets, weights, group.device)
         try:
+            group.bound_transfer(end)
             works = [group.broadcast(msg, cfg.source_rank, end - time.monotonic()) for msg in payload]
-            for work in works:
-                work.wait()
+            group.finish(works, end, f"the broadcast of version {weights.version} from the source rank")
         except Exception as exc:
             self._broken = f"the broadcast of version {weights.version} failed on the source rank: {exc}"
             raise WeightTransferError(self._broken) from exc
@@ -393,7 +442,7 @@ class DistWeightTransport(WeightTransport):
                     f"(newest staged: {'none' if staged is None else staged[0]})"
                 )
             await asyncio.sleep(self.config.poll_interval_s)
-        version, buckets = staged
+        _, buckets = staged
         if self.is_source:  # receivers verified on arrival; the source checks what it holds
             await asyncio.to_thread(verify_all, buckets, where=f"staged on source rank {self.config.rank}")
         for bucket in buckets:
@@ -413,8 +462,9 @@ class DistWeightTransport(WeightTransport):
         self._staged = None
         group, self._group = self._group, None
         if group is not None:
-            with contextlib.suppress(Exception):
-                group.pg.shutdown()
+            if not (self._broken and group.device.type == "cuda"):  # an aborted NCCL group has nothing to flush
+                with contextlib.suppress(Exception):
+                    group.pg.shutdown()
             del group
 
     def _check_open(self) -> None:

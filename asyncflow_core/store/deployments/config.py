@@ -41,8 +41,15 @@ class DistributedStoreConfig(StoreOptions):
     init_process_group: bool = Field(
         False, description="Initialise torch.distributed from MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE if not yet done."
     )
+    device: str | None = Field(
+        None,
+        pattern=r"^(cuda(:\d+)?|\d+)$",
+        description="nccl only: this rank's CUDA device (an index or cuda:N); get() returns tensors there. Unset: "
+        "LOCAL_RANK when the launcher sets it, else the current device of the process that opens the store.",
+    )
     timeout_s: float = Field(
-        300.0, gt=0, description="Seconds to wait for the process group to form and for the server rank to publish."
+        300.0, gt=0, description="Seconds to wait for the process group to form and for the server rank to publish; "
+        "with nccl also the deadline of one transfer, after which the lane's communicator is aborted.",
     )
 
 

@@ -23,11 +23,25 @@ out poisons the pair):
 
 Messages: each column of 256 KiB or more travels as its own message with no
 copy on either side; smaller columns are packed into one message (one small
-copy). Each message's tag is its sequence number, counted per pair of
-ranks by the server, and both sides *issue* a pair's operations in sequence
-order from one thread per process: NCCL ignores tags and matches a pair's
-operations in issue order, gloo matches by tag; both hold. Waits run on a
-separate thread pool, so the event loops never block on the network.
+copy). Each message's tag is its sequence number, counted per lane (one per
+client rank, see :mod:`.p2p`) by the server, and both sides *issue* a lane's
+operations in sequence order from one thread per process: NCCL ignores tags
+and matches a pair's operations in issue order, gloo matches by tag; both
+hold. Waits run on a separate thread pool, so the event loops never block on
+the network.
+
+NCCL (read against torch 2.13.0, never run here). Each rank's CUDA device is
+chosen once, in the thread that builds the store or the host (``device=``,
+else ``LOCAL_RANK``, else that thread's current device), set before the
+default group forms (``init_loopback_process_group`` passes it as
+``device_id``) and in every store thread that touches NCCL. Transfers do not
+use the user's process group: each client rank gets a 2-rank NCCL group of
+its own (a lane), so that a dead client, whose posted receives NCCL would
+leave pending forever, costs only its lane: the server waits for them for a
+short grace (:data:`ABANDON_GRACE_S`), then aborts that lane's group (its
+kernels exit, no process is torn down), reuses the arena ranges once the
+receives are seen to end, and forms a new lane on the next transfer. Every
+NCCL wait on either side is bounded the same way by ``timeout_s``.
 
 The server rank uses its own stores through a local path: a put copies into
 the arena and a get copies out of it, with no point-to-point to itself.
@@ -41,7 +55,8 @@ open the same ``name`` share it (the first opener's options win);
 ``name=None`` opens a fresh private instance that its client drops on close.
 
 Dead consumers: a rank that dies drops its control connection and the server
-frees its leases (see :class:`~.server.StoreServer`).
+frees its leases (see :class:`~.server.StoreServer`) and, once its posted
+transfers ended or were abandoned as above, the arena ranges of its puts.
 """
 
 from __future__ import annotations
@@ -49,12 +64,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import threading
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -70,6 +85,8 @@ from asyncflow_core.store.deployments.channel import ChannelClient, Connection, 
 from asyncflow_core.store.deployments.codec import dtype_from_name, dtype_name
 from asyncflow_core.store.deployments.config import DistributedStoreConfig
 from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of, split_column
+from asyncflow_core.store.deployments.nccl_support import DeviceSpec, resolve_cuda_device, use_device
+from asyncflow_core.store.deployments.p2p import Lane, P2PLink, link_for, memory_in_use
 from asyncflow_core.store.deployments.remote import RemoteStoreClient, install_control_ops
 from asyncflow_core.store.deployments.server import ServerThread, StoreServer
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, StoreClosedError, StoreTimeoutError
@@ -78,6 +95,9 @@ from asyncflow_core.types import Batch, Column, RaggedTensor
 SMALL_COLUMN_BYTES = 256 << 10  #: columns below this share one packed message
 _ALIGN = 64
 KEY_PREFIX = "asyncflow/store/"
+ABANDON_GRACE_S = 5.0  #: how long a gone client's posted transfers may still finish before its lane is aborted
+_LANE_ATTEMPTS = 3
+_log = logging.getLogger(__name__)
 
 
 def _round_up(n: int) -> int:
@@ -114,121 +134,26 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
 
 
-# ====================================================================== point-to-point engine
+# ====================================================================== devices
 
 
-class P2PLink:
-    """This process's point-to-point engine for one process group: ordered issue, threaded waits.
+def data_plane_device(backend: str, device: DeviceSpec = None) -> torch.device:
+    """The data plane's device: this rank's CUDA device when the group speaks NCCL, else the CPU (gloo).
 
-    Every send/recv is issued from one thread, in the order of the per-peer
-    sequence numbers the server hands out (:meth:`post` on the server,
-    :meth:`post_at` on a client), so a pair's operations are issued in the
-    same order on both sides, which NCCL needs. Waiting runs on a pool.
+    The CUDA device is chosen by :func:`.nccl_support.resolve_cuda_device`
+    (``device``, else ``LOCAL_RANK``, else the calling thread's current
+    device); call it in the thread the caller configured, not a helper thread.
     """
-
-    def __init__(self, group: Any, device: torch.device) -> None:
-        self.group = group
-        self.device = device
-        self.rank = dist.get_rank()
-        self.backend = str(dist.get_backend(group))
-        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-        self._issuer = ThreadPoolExecutor(1, thread_name_prefix="asyncflow-p2p-issue", initializer=init)
-        self._waiters = ThreadPoolExecutor(8, thread_name_prefix="asyncflow-p2p-wait", initializer=init)
-        self._lock = threading.Lock()
-        self._next_seq: dict[int, int] = {}  # server side: next sequence number per peer
-        self._expect: dict[int, int] = {}  # client side: next sequence number to issue per peer
-        self._parked: dict[int, dict[int, tuple[list, Any]]] = {}
-        self.pg: Any = None
-
-    # -- issuing -------------------------------------------------------------------
-
-    def _issue(self, ops: list[tuple[str, torch.Tensor, int, int]]) -> list[Any]:
-        works = []
-        for kind, tensor, peer, tag in ops:
-            fn = dist.isend if kind == "send" else dist.irecv
-            works.append(fn(tensor, peer, group=self.group, tag=tag))
-        return works
-
-    def post(self, peer: int, ops: list[tuple[str, torch.Tensor]]) -> tuple[int, asyncio.Future]:
-        """Server side: take the next sequence numbers for ``peer`` and issue ``ops`` (tags = those numbers).
-
-        Returns the first sequence number and an asyncio future of the works.
-        """
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            seq = self._next_seq.get(peer, 0)
-            self._next_seq[peer] = seq + len(ops)
-            cf = self._issuer.submit(self._issue, [(k, t, peer, seq + i) for i, (k, t) in enumerate(ops)])
-        return seq, asyncio.wrap_future(cf, loop=loop)
-
-    def post_at(self, peer: int, seq: int, ops: list[tuple[str, torch.Tensor]]) -> asyncio.Future:
-        """Client side: issue ``ops`` as sequence numbers ``seq, seq+1, ...`` once every earlier one was issued."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def resolve(cf: Any) -> None:
-            def set_() -> None:
-                if done.done():
-                    return
-                if cf.exception() is not None:
-                    done.set_exception(cf.exception())
-                else:
-                    done.set_result(cf.result())
-
-            loop.call_soon_threadsafe(set_)
-
-        with self._lock:
-            self._parked.setdefault(peer, {})[seq] = ([(k, t, peer, seq + i) for i, (k, t) in enumerate(ops)], resolve)
-            parked = self._parked[peer]
-            nxt = self._expect.get(peer, 0)
-            while nxt in parked:
-                ready, cb = parked.pop(nxt)
-                self._issuer.submit(self._issue, ready).add_done_callback(cb)
-                nxt += len(ready) or 1
-            self._expect[peer] = nxt
-        return done
-
-    async def wait(self, works: list[Any]) -> None:
-        """Wait (off the event loop) until every work completed; raises the first failure."""
-
-        def block() -> None:
-            for w in works:
-                w.wait()
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-
-        await asyncio.wrap_future(self._waiters.submit(block))
-
-    def shutdown(self) -> None:
-        self._issuer.shutdown(wait=False)
-        self._waiters.shutdown(wait=False)
-
-
-_LINKS: dict[int, P2PLink] = {}
-_LINKS_LOCK = threading.Lock()
-
-
-def link_for(group: Any, device: torch.device) -> P2PLink:
-    """The process's :class:`P2PLink` for ``group`` (one per group, shared by every store)."""
-    # keyed by the group object (kept alive by the link): a re-initialised default group gets fresh sequences
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    with _LINKS_LOCK:
-        link = _LINKS.get(id(pg))
-        if link is None or link.pg is not pg:
-            link = _LINKS[id(pg)] = P2PLink(group, device)
-            link.pg = pg
-        return link
-
-
-def _default_device(backend: str) -> torch.device:
-    """The data plane's device: the current CUDA device when the group speaks NCCL, else the CPU (gloo)."""
     if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return resolve_cuda_device(device)
     return torch.device("cpu")
 
 
-def ensure_process_group(config: DistributedStoreConfig) -> None:
-    """Initialise torch.distributed from the environment when asked; otherwise insist it already is."""
+def ensure_process_group(config: DistributedStoreConfig, device: DeviceSpec = None) -> None:
+    """Initialise torch.distributed from the environment when asked; otherwise insist it already is.
+
+    ``device``: this rank's CUDA device for ``backend: nccl`` (see :func:`init_loopback_process_group`).
+    """
     if dist.is_available() and dist.is_initialized():
         return
     from asyncflow_core.errors import ConfigError
@@ -254,7 +179,8 @@ def ensure_process_group(config: DistributedStoreConfig) -> None:
         rank, world_size, port = int(env["RANK"] or ""), int(env["WORLD_SIZE"] or ""), int(env["MASTER_PORT"] or "")
     except ValueError:
         raise ConfigError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers, got {env}") from None
-    init_loopback_process_group(rank, world_size, port, backend=config.backend, timeout_s=config.timeout_s)
+    init_loopback_process_group(rank, world_size, port, backend=config.backend, timeout_s=config.timeout_s,
+                                device=device)
 
 
 def _is_loopback_host(host: str) -> bool:
@@ -302,14 +228,19 @@ class DistributedHost:
 
     ``DistributedHost.start(config)`` creates the instance ``config.name``,
     starts serving and publishes the control address in the rendezvous store.
+    ``device`` is this rank's CUDA device under NCCL (:func:`data_plane_device`);
+    ``pair_groups`` forces one process group per client lane on the CPU too
+    (:class:`.p2p.P2PLink`; by default only the CUDA data plane uses them).
     """
 
-    def __init__(self, config: DistributedStoreConfig, group: Any = None) -> None:
+    def __init__(self, config: DistributedStoreConfig, group: Any = None, *, device: DeviceSpec = None,
+                 pair_groups: bool | None = None) -> None:
         self.group = group
         self.rank = dist.get_rank()
         self.backend = str(dist.get_backend(group))
-        self.device = _default_device(self.backend)
-        self.link = link_for(group, self.device)
+        self.device = data_plane_device(self.backend, device)
+        self.timeout_s = float(config.timeout_s)  #: bounds each transfer's wait (and lane formation) on this rank
+        self.link = link_for(group, self.device, pair_groups=pair_groups)
         self.directory = private_dir("asyncflow-dstore-")
         self.instances: dict[str, _Instance] = {}
         self._opening: dict[str, asyncio.Future] = {}
@@ -327,10 +258,10 @@ class DistributedHost:
         _HOSTS[self.rank] = self
 
     @classmethod
-    def start(cls, config: DistributedStoreConfig | None = None, group: Any = None, publish: bool = True
-              ) -> DistributedHost:
+    def start(cls, config: DistributedStoreConfig | None = None, group: Any = None, publish: bool = True, *,
+              device: DeviceSpec = None, pair_groups: bool | None = None) -> DistributedHost:
         """Start hosting on this rank and (``publish``) tell the other ranks where to find it."""
-        host = cls(config or DistributedStoreConfig(), group)
+        host = cls(config or DistributedStoreConfig(), group, device=device, pair_groups=pair_groups)
         if publish:
             _kv_store().set(KEY_PREFIX + str(host.rank), json.dumps({"address": host.address, "token": host.token}))
         return host
@@ -464,11 +395,24 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
                 raise StoreTimeoutError(f"waited {timeout}s for {sum(sizes)} bytes of arena; raise arena_mb")
             await core._wait(event, deadline)
 
-    def finish_xfer(xid: int, *, abandon: bool) -> None:
+    def finish_xfer(xid: int, *, abandon: bool, reuse: bool = True) -> None:
         x = inst.xfers.pop(xid, None)
-        if x is not None and abandon:
-            storage.abandon(x["offsets"])
-            core.notify()
+        if x is None or not abandon:
+            return
+        if not reuse:  # a receive into these ranges may still be pending (its lane's kernels did not exit)
+            _log.warning("distributed store: %d arena range(s) of an abandoned put are written off: a receive "
+                         "into them did not end after its lane was aborted", len(x["offsets"]))
+            return
+        storage.abandon(x["offsets"])
+        core.notify()
+
+    async def lane_for(peer: int, a: dict[str, Any]) -> Lane | dict[str, Any]:
+        """The formed lane to ``peer``, or the answer telling its client which lane to join first."""
+        lane = link.serve_lane(peer, client_broken=a.get("lane_broken"), timeout_s=host.timeout_s)
+        if lane.gen and a.get("lane") != lane.gen:
+            return {"lane_needed": lane.describe()}
+        await link.formed(lane, host.timeout_s)
+        return lane
 
     async def put_begin(conn: Connection, a: dict[str, Any]) -> dict[str, Any]:
         described: dict[str, Any] = a["columns"]
@@ -485,12 +429,17 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
         names = list(layouts)
         sizes = [layouts[k].nbytes for k in names]
         peer = peer_of(a)
+        lane = None
+        if peer != host.rank:  # before granting anything: an answer that only names a lane holds no arena
+            lane = await lane_for(peer, a)
+            if isinstance(lane, dict):
+                return lane
         offsets = await grant(sizes, conn.id, bool(a.get("block", True)), a.get("timeout"))
         next_xfer[0] += 1
         xid = next_xfer[0]
-        x = {"offsets": offsets, "names": names, "layouts": layouts, "conn": conn.id, "works": None}
+        x = {"offsets": offsets, "names": names, "layouts": layouts, "conn": conn.id, "works": None, "lane": lane}
         inst.xfers[xid] = x
-        if peer == host.rank:
+        if lane is None:
             return {"xfer": xid, "offsets": offsets}  # local: the client copies into the arena itself
         big, small_offsets, small_total = plan_messages(sizes)
         ops: list[tuple[str, torch.Tensor]] = []
@@ -500,10 +449,10 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
             ops.append(("recv", staging))
         ops += [("recv", storage.mapping.tensor(offsets[i], sizes[i])) for i in big]
         if not ops:
-            return {"xfer": xid, "seq": None}
-        seq, issued = link.post(peer, ops)
+            return {"xfer": xid, "seq": None, "lane": lane.gen}
+        seq, issued = link.post(lane, ops)
         x["works"] = issued
-        return {"xfer": xid, "seq": seq}
+        return {"xfer": xid, "seq": seq, "lane": lane.gen}
 
     async def put_end(conn: Connection, a: dict[str, Any]) -> BatchMeta:
         xid = int(a["xfer"])
@@ -512,7 +461,7 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
             raise InvalidRequestError(f"no put transfer {xid} of this client in flight")
         try:
             if x["works"] is not None:
-                await link.wait(await x["works"])
+                await link.wait(await x["works"], x["lane"], timeout_s=host.timeout_s)
             if "staging" in x:
                 staging, small_offsets = x["staging"]
                 sizes = [x["layouts"][k].nbytes for k in x["names"]]
@@ -532,8 +481,10 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
             else:
                 ids = torch.as_tensor(rows.row_ids, dtype=torch.int64).reshape(-1)
                 core.controller.check_rows(ids)
-        except BaseException:
-            finish_xfer(xid, abandon=True)
+        except asyncio.CancelledError:
+            raise  # the client's connection went away: gone() abandons the transfer once its receives ended
+        except BaseException as exc:
+            finish_xfer(xid, abandon=True, reuse=not memory_in_use(exc))
             raise
         extents = dict(zip(x["names"], x["offsets"], strict=True))
         for name, lay in layouts.items():
@@ -546,6 +497,11 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
     async def get(conn: Connection, a: dict[str, Any]) -> dict[str, Any]:
         names = list(a["columns"])
         peer = peer_of(a)
+        lane = None
+        if peer != host.rank:  # before pinning anything
+            lane = await lane_for(peer, a)
+            if isinstance(lane, dict):
+                return lane
         located, pin = storage.locate(torch.as_tensor(a["row_ids"], dtype=torch.int64), names)
         try:
             described, sources = {}, []
@@ -558,7 +514,7 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
         except BaseException:
             storage.unpin(pin)
             raise
-        if peer == host.rank:  # local: the reader copies the sources, then take_local unpins them
+        if lane is None:  # local: the reader copies the sources, then take_local unpins them
             next_xfer[0] += 1
             inst.xfers[next_xfer[0]] = {"sources": sources, "conn": conn.id, "pin": pin}
             return {"columns": described, "xfer": next_xfer[0]}
@@ -571,18 +527,19 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
                 staging[off : off + sizes[i]].copy_(sources[i])
             ops.append(("send", staging))
         ops += [("send", sources[i]) for i in big]
-        seq, issued = link.post(peer, ops) if ops else (None, None)
+        seq, issued = link.post(lane, ops) if ops else (None, None)
 
         async def unpin_when_sent() -> None:
+            # a send only reads the arena, so the rows are unpinned even when its lane had to be aborted
             try:
                 if issued is not None:
-                    await link.wait(await issued)
+                    await link.wait(await issued, lane, timeout_s=host.timeout_s)
             finally:
                 storage.unpin(pin)
                 core.notify()  # arena space may be free again
 
         asyncio.ensure_future(unpin_when_sent())
-        return {"columns": described, "seq": seq, "messages": len(ops)}
+        return {"columns": described, "seq": seq, "messages": len(ops), "lane": lane.gen}
 
     async def take_local(conn: Connection, a: dict[str, Any]) -> None:
         x = inst.xfers.pop(int(a["xfer"]), None)
@@ -621,10 +578,15 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
                 continue
 
             async def abandon_after(xid: int = xid, x: dict[str, Any] = x) -> None:
-                # the ranges are reused only once the receives into them ended (a dead peer fails them)
-                with contextlib.suppress(BaseException):
-                    await link.wait(await x["works"])
-                finish_xfer(xid, abandon=True)
+                # the ranges are reused only once the receives into them ended: a dead gloo peer fails them;
+                # a dead NCCL peer leaves them pending, so past a grace period the lane is aborted instead
+                try:
+                    works = await x["works"]
+                except Exception:  # noqa: BLE001 - nothing was posted (the lane was already given up)
+                    works = []
+                ended = await link.settle_or_abort(works, x["lane"],
+                                                   grace_s=min(ABANDON_GRACE_S, host.timeout_s))
+                finish_xfer(xid, abandon=True, reuse=ended)
 
             asyncio.ensure_future(abandon_after())
 
@@ -680,24 +642,28 @@ class DistributedStore(RemoteStoreClient):
     ``DistributedStore(DistributedStoreConfig(...), group=...)``. On the server
     rank it starts the :class:`DistributedHost` when none runs and owns it
     (``close`` stops it); elsewhere it finds the host through the rendezvous
-    store. Tensors returned by ``get`` live on the data-plane device (CPU for
-    gloo, the current CUDA device for NCCL).
+    store. Tensors returned by ``get`` live on the data-plane device: the CPU
+    for gloo; for NCCL this rank's CUDA device, ``device`` (an index or
+    ``"cuda:N"``), else ``LOCAL_RANK``, else the current device of the thread
+    that builds the store (chosen here, once: the store's own threads would
+    otherwise all be on device 0).
     """
 
-    def __init__(self, config: DistributedStoreConfig | None = None, *, group: Any = None) -> None:
+    def __init__(self, config: DistributedStoreConfig | None = None, *, group: Any = None,
+                 device: DeviceSpec = None) -> None:
         config = config or DistributedStoreConfig()
-        ensure_process_group(config)
+        ensure_process_group(config, device)
         super().__init__("", "")
         self.config = config
         self.group = group
         self.rank = dist.get_rank()
         self.server_rank = config.server_rank
-        self.device = _default_device(str(dist.get_backend(group)))
+        self.device = data_plane_device(str(dist.get_backend(group)), device)
         self.token_columns = tuple(config.token_columns)
         self.name: str | None = config.name
         self._host: DistributedHost | None = None
         if self.rank == self.server_rank and self.server_rank not in _HOSTS:
-            self._host = DistributedHost.start(config, group)
+            self._host = DistributedHost.start(config, group, device=self.device)
         self._owns_instance = config.name is None
         self._resolve_lock = threading.Lock()
         self._resolved = False
@@ -712,6 +678,35 @@ class DistributedStore(RemoteStoreClient):
     @property
     def link(self) -> P2PLink:
         return link_for(self.group, self.device)
+
+    async def _data_call(self, op: str, **args: Any) -> tuple[Any, Lane | None]:
+        """Call data op ``op``; when the server first names a lane to join (pair groups), join it and call again.
+
+        Returns the reply and the lane its transfer uses (None for a local
+        reply on the server rank). A lane this side gave up on is reported,
+        so the server replaces its side too.
+        """
+        link = self.link
+        for _ in range(_LANE_ATTEMPTS):
+            held = link.client_lane(self.server_rank)
+            reply = await self._call(op, **args, rank=self.rank,
+                                     lane=held.gen if held is not None and held.broken is None else None,
+                                     lane_broken=held.gen if held is not None and held.broken is not None else None)
+            need = reply.get("lane_needed") if isinstance(reply, dict) else None
+            if need is None:
+                gen = reply.get("lane") if isinstance(reply, dict) else None
+                if gen is None:
+                    return reply, None
+                if gen == 0:
+                    return reply, link.shared_lane("use", self.server_rank)
+                if held is None or held.gen != gen:
+                    raise StoreClosedError(f"the server rank answered on lane {gen}, which this rank does not hold")
+                return reply, held
+            lane = link.join_lane(self.server_rank, int(need["gen"]), str(need["key"]),
+                                  timeout_s=self.config.timeout_s)
+            await link.formed(lane, self.config.timeout_s)
+        raise StoreClosedError(f"the server rank {self.server_rank} replaced the data lane to rank {self.rank} "
+                               f"{_LANE_ATTEMPTS} times in a row; is one of them restarting?")
 
     async def _find_host(self) -> tuple[str, str]:
         host = _HOSTS.get(self.server_rank)
@@ -777,19 +772,20 @@ class DistributedStore(RemoteStoreClient):
         check_versions(versions, n)
         tokens = num_tokens_of(columns, self.token_columns)
         await self._channel()
-        begun = await self._call("put_begin", columns=described, n=n, rows=rows, versions=versions, block=block,
-                                 timeout=timeout, rank=self.rank)
+        begun, lane = await self._data_call("put_begin", columns=described, n=n, rows=rows, versions=versions,
+                                            block=block, timeout=timeout)
         # From here the transfer is committed: finish it even if the caller is cancelled.
-        task = asyncio.ensure_future(self._put_rest(begun, payloads, dict(
-            rows=rows, partition=partition, group_ids=group_ids, versions=versions, block=block, timeout=timeout,
-            num_tokens=tokens)))
+        rest = {"rows": rows, "partition": partition, "group_ids": group_ids, "versions": versions, "block": block,
+                "timeout": timeout, "num_tokens": tokens}
+        task = asyncio.ensure_future(self._put_rest(begun, lane, payloads, rest))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         return await asyncio.shield(task)
 
-    async def _put_rest(self, begun: dict[str, Any], payloads: list[torch.Tensor], kw: dict[str, Any]) -> BatchMeta:
+    async def _put_rest(self, begun: dict[str, Any], lane: Lane | None, payloads: list[torch.Tensor],
+                        kw: dict[str, Any]) -> BatchMeta:
         xid = begun["xfer"]
-        if "offsets" in begun:  # local path: same process as the host
+        if lane is None:  # local path: same process as the host
             arena = _HOSTS[self.server_rank].instances[self.name].storage.mapping  # type: ignore[index]
             failed = False
             try:
@@ -813,11 +809,11 @@ class DistributedStore(RemoteStoreClient):
                 staging[off : off + sizes[i]].copy_(payloads[i])
             ops.append(("send", staging))
         ops += [("send", payloads[i]) for i in big]
-        issued = self.link.post_at(self.server_rank, int(begun["seq"]), ops) if ops else None
+        issued = self.link.post_at(lane, int(begun["seq"]), ops) if ops else None
         end = asyncio.ensure_future(self._call("put_end", xfer=xid, **kw))  # pipelined with the data
         try:
             if issued is not None:
-                await self.link.wait(await issued)
+                await self.link.wait(await issued, lane, timeout_s=self.config.timeout_s)
         finally:
             result = await end
         return result
@@ -827,17 +823,17 @@ class DistributedStore(RemoteStoreClient):
     async def get(self, meta: BatchMeta, columns: Any = None) -> Batch:
         names = list(meta.columns if columns is None else columns)
         await self._channel()
-        reply = await self._call("get", row_ids=meta.row_ids, columns=names, rank=self.rank)
-        task = asyncio.ensure_future(self._get_rest(reply, names))
+        reply, lane = await self._data_call("get", row_ids=meta.row_ids, columns=names)
+        task = asyncio.ensure_future(self._get_rest(reply, lane, names))
         self._inflight.add(task)
         task.add_done_callback(self._inflight.discard)
         cols = await asyncio.shield(task)
         return Batch(cols, row_ids=meta.row_ids, num_rows=len(meta))
 
-    async def _get_rest(self, reply: dict[str, Any], names: list[str]) -> dict[str, Column]:
+    async def _get_rest(self, reply: dict[str, Any], lane: Lane | None, names: list[str]) -> dict[str, Column]:
         described = reply["columns"]
         sizes = [int(described[n]["nbytes"]) for n in names]
-        if "xfer" in reply:  # local path: copy out of the arena
+        if lane is None:  # local path: copy out of the arena
             inst = _HOSTS[self.server_rank].instances[self.name]  # type: ignore[index]
             try:
                 sources = inst.xfers[int(reply["xfer"])]["sources"]
@@ -857,7 +853,8 @@ class DistributedStore(RemoteStoreClient):
             bufs[i] = torch.empty(sizes[i], dtype=torch.uint8, device=self.device)
             ops.append(("recv", bufs[i]))
         if ops:
-            await self.link.wait(await self.link.post_at(self.server_rank, int(reply["seq"]), ops))
+            works = await self.link.post_at(lane, int(reply["seq"]), ops)
+            await self.link.wait(works, lane, timeout_s=self.config.timeout_s)
         out = {}
         for i, n in enumerate(names):
             buf = bufs.get(i, torch.empty(0, dtype=torch.uint8, device=self.device))
@@ -881,31 +878,48 @@ class DistributedStore(RemoteStoreClient):
 
 def open_distributed_store(config: DistributedStoreConfig, group: Any = None) -> DistributedStore:
     """Factory used by the plugin: initialises the process group if asked, then builds the client."""
-    return DistributedStore(config, group=group)
+    device = config.device
+    if device is not None and device.isdigit():
+        device = int(device)
+    return DistributedStore(config, group=group, device=device)
 
 
-__all__ = ["DistributedHost", "DistributedStore", "P2PLink", "open_distributed_store", "plan_messages"]
+__all__ = ["DistributedHost", "DistributedStore", "P2PLink", "data_plane_device", "init_loopback_process_group",
+           "link_for", "open_distributed_store", "plan_messages"]
 
 
 _LOOPBACK_LISTENERS: list[int] = []  # the master's listening fds, open for the life of the process
 
 
 def init_loopback_process_group(rank: int, world_size: int, port: int, *, backend: str = "gloo",
-                                timeout_s: float = 120.0) -> None:
+                                timeout_s: float = 120.0, device: DeviceSpec = None) -> torch.device:
     """Join a torch.distributed group whose rendezvous listens on 127.0.0.1 only (single-host runs and tests).
 
     ``init_method="tcp://127.0.0.1:PORT"`` makes rank 0's TCPStore listen on
     every interface; here rank 0 binds the listening socket to loopback itself
     and hands it to the store (``master_listen_fd``), and gloo's own sockets
-    use the loopback interface (``GLOO_SOCKET_IFNAME=lo`` unless already set).
+    use the loopback interface (``GLOO_SOCKET_IFNAME=lo`` unless already set;
+    for NCCL also ``NCCL_SOCKET_IFNAME=lo``).
+
+    ``backend="nccl"``: this rank's CUDA device (``device``, else
+    ``LOCAL_RANK``, else the calling thread's current device) is made the
+    calling thread's current device *before* the group forms and is passed
+    as ``device_id`` (torch 2.13: binds the group to it and creates the
+    communicator at once). Returns the data-plane device (the CPU for gloo).
     """
     import socket
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    cuda = resolve_cuda_device(device) if "nccl" in backend else None
+    if cuda is not None:
+        use_device(cuda)
+
     if "lo" in {name for _, name in socket.if_nameindex()}:  # gloo's own pair sockets on loopback too
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if "nccl" in backend:  # and NCCL's bootstrap sockets (it reads this once, at its first communicator)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -920,4 +934,5 @@ def init_loopback_process_group(rank: int, world_size: int, port: int, *, backen
                               master_listen_fd=fd, use_libuv=False)
     else:
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout, use_libuv=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=cuda)
+    return cuda if cuda is not None else torch.device("cpu")
