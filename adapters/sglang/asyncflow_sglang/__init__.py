@@ -5,6 +5,6 @@ See docs/adapters/sglang.md. The engine lives in :mod:`asyncflow_sglang.engine`;
 without a GPU (not SGLang).
 """
 
-from asyncflow_sglang.config import DECLARED_FEATURES, SGLangRolloutConfig
+from asyncflow_sglang.config import DECLARED_FEATURES, SGLANG_INSTALL, SUPPORTED_SGLANG, SGLangRolloutConfig
 
-__all__ = ["DECLARED_FEATURES", "SGLangRolloutConfig"]
+__all__ = ["DECLARED_FEATURES", "SGLANG_INSTALL", "SUPPORTED_SGLANG", "SGLangRolloutConfig"]

@@ -41,18 +41,40 @@ class ServerUnreachableError(ServerError):
     """No connection to the server, or it broke mid-call."""
 
 
+#: Routes SGLang marks ``AuthLevel.ADMIN_OPTIONAL`` (``http_server.py``, 0.5.20 to 0.5.23) that this client calls:
+#: a server started with ``--admin-api-key`` accepts only that key on them, and ``--api-key`` alone on the rest.
+ADMIN_ROUTES = frozenset({
+    "/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
+    "/init_weights_update_group", "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
+    "/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weight_version",
+    "/release_memory_occupation", "/resume_memory_occupation",
+})
+
+
+def auth_header(route: str, api_key: str | None, admin_api_key: str | None) -> dict[str, str]:
+    """The Authorization header SGLang's ``decide_request_auth`` wants for ``route`` (empty when none)."""
+    key = (admin_api_key or api_key) if route in ADMIN_ROUTES else api_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 class SGLangClient:
     """JSON over HTTP to one server. One connection pool; calls may run concurrently."""
 
     def __init__(
-        self, base_url: str, *, connect_timeout_s: float, max_connections: int, api_key: str | None = None
+        self,
+        base_url: str,
+        *,
+        connect_timeout_s: float,
+        max_connections: int,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
     ) -> None:
         self.base_url = base_url
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._keys = (api_key, admin_api_key)
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(max_connections, 64))
         self._connect_timeout_s = connect_timeout_s
         # trust_env=False: never route loopback traffic through a proxy from the environment
-        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, trust_env=False)
+        self._http = httpx.AsyncClient(base_url=base_url, limits=limits, trust_env=False)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -67,7 +89,8 @@ class SGLangClient:
         timeout = httpx.Timeout(timeout_s, connect=min(self._connect_timeout_s, timeout_s))
         where = f"{method} {self.base_url}{route}"
         try:
-            response = await self._http.request(method, route, json=payload, timeout=timeout)
+            response = await self._http.request(method, route, json=payload, timeout=timeout,
+                                                headers=auth_header(route, *self._keys))
         except httpx.TimeoutException as exc:
             raise ServerTimeoutError(
                 f"SGLang server did not answer {where} within {timeout_s:g}s ({type(exc).__name__})", route=route
@@ -95,7 +118,8 @@ class SGLangClient:
 
 
 def _message(response: httpx.Response) -> str:
-    """The server's own words: ``{"error": {"message": ...}}``, ``{"message": ...}`` or the body text."""
+    """The server's own words: ``{"error": {"message": ...}}``, ``{"error": "..."}``, ``{"message": ...}`` or the
+    body text."""
     text = response.text.strip()
     try:
         body = json.loads(text)

@@ -9,18 +9,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.interfaces import RolloutFeatures
 
+#: The SGLang releases this adapter was written against (read from their source; both ends included).
+#: ``start()`` refuses a server outside it (``allow_unsupported_version`` overrides).
+SUPPORTED_SGLANG = ((0, 5, 20), (0, 5, 23))
+#: Where SGLang is installed from, for the messages that name the supported range.
+SGLANG_INSTALL = 'pip install "sglang>=0.5.20,<0.5.24"'
+#: From this release on, weight updates must run between /begin_weight_update and /end_weight_update.
+UPDATE_SESSION_SINCE = (0, 5, 21)
+
 #: What the registration declares (``asyncflow plugins`` shows it). An engine
 #: reports ``supports_sleep`` only when its server runs with the memory saver
-#: (``memory_saver: true``), and ``supports_pause_keep`` unless ``pause_keep: false``.
+#: (``memory_saver: true``), ``supports_pause_keep`` unless ``pause_keep: false``,
+#: and ``supports_inflight_weight_update`` only with ``keep_mode: retract``.
 DECLARED_FEATURES = RolloutFeatures(
     supports_abort=True,
     supports_resume_prefix=True,
     supports_pause_keep=True,
     supports_pause_abort=True,
-    # held requests would continue on new weights, but a non-streaming answer does not say which of its
-    # tokens came before the update, so per-token versions could not be told: the runtime pauses with
-    # ABORT and resumes the requests with their tokens as a prefix instead (exact versions)
-    supports_inflight_weight_update=False,
+    # requests held by pause(keep) continue on the new weights; the answer's meta_info.weight_versions spans say
+    # which weights sampled which token. Only with keep_mode retract, whose KV cache is recomputed on resume
+    # (in_place keeps the old weights' cache, and SGLang refuses to flush it while requests are held).
+    supports_inflight_weight_update=True,
     supports_sleep=True,
     weight_transports=("inprocess",),
 )
@@ -38,7 +47,10 @@ class LaunchConfig(BaseModel):
     )
     port: int = Field(0, ge=0, le=65535, description="--port; 0 picks a free port on 127.0.0.1.")
     tp_size: int = Field(1, ge=1, description="--tp-size: tensor-parallel GPUs of the server.")
-    dp_size: int = Field(1, ge=1, description="--dp-size: data-parallel replicas inside the server.")
+    dp_size: int = Field(
+        1, ge=1, description="--dp-size: must be 1 (SGLang's weight-update group takes one data-parallel "
+        "replica); run one engine replica per server instead."
+    )
     mem_fraction_static: float | None = Field(
         None, gt=0, lt=1, description="--mem-fraction-static: GPU memory share for weights + KV cache."
     )
@@ -46,6 +58,11 @@ class LaunchConfig(BaseModel):
         None, description="--dtype (auto, bfloat16, float16 ...); default: the run's model.dtype."
     )
     random_seed: int | None = Field(None, description="--random-seed of the server's sampler.")
+    deterministic_inference: bool = Field(
+        False,
+        description="--enable-deterministic-inference: SGLang honours per-request sampling seeds only in this mode "
+        "(it also switches to its PyTorch sampler); without it seeded requests are refused.",
+    )
     extra_args: list[str] = Field(
         default_factory=list,
         description="More launch_server arguments, passed as given (e.g. ['--attention-backend', 'fa3']).",
@@ -55,8 +72,29 @@ class LaunchConfig(BaseModel):
         description="The program to run instead of [python, -m, sglang.launch_server] (the options above are "
         "appended as launch_server arguments); tests point it at the protocol fake.",
     )
-    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for the server's /health.")
+    startup_timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for the server's /ready.")
     log_path: str | None = Field(None, description="File the server's stdout/stderr go to; default: a temp file.")
+
+    @field_validator("dp_size", mode="before")
+    @classmethod
+    def _one_dp_replica(cls, value: object) -> object:
+        if isinstance(value, int) and value > 1:
+            raise ValueError(
+                f"dp_size {value}: SGLang's /init_weights_update_group asserts dp_size == 1 and numbers the group's "
+                "ranks rank_offset + tp_rank, so weights cannot reach a data-parallel server; run one rollout "
+                "replica (one server) per data-parallel copy instead (rollout.replicas)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _float32_needs_a_backend(self) -> LaunchConfig:
+        if self.dtype in ("float32", "float") and "--attention-backend" not in self.extra_args:
+            raise ValueError(
+                "dtype float32: SGLang's default attention backends (FlashInfer, FA3) run half precision only; "
+                "use dtype bfloat16, or name a backend that takes float32, e.g. "
+                "extra_args: ['--attention-backend', 'triton']"
+            )
+        return self
 
 
 class WeightSyncConfig(BaseModel):
@@ -116,8 +154,14 @@ class SGLangRolloutConfig(BaseModel):
         None, description="The policy; filled from the run's `model` section (launch uses model.path and model.dtype)."
     )
     api_key: str | None = Field(None, description="Bearer token, when the server was started with --api-key.")
+    admin_api_key: str | None = Field(
+        None,
+        description="Bearer token for SGLang's admin routes (abort, pause, weights, memory, flush), when the server "
+        "was started with --admin-api-key (launch passes it); such a server takes only this key on those routes.",
+    )
     world_size: int | None = Field(
-        None, ge=1, description="Ranks of the server (tp_size x dp_size); default: launch's, or 1 with `url`."
+        None, ge=1, description="Ranks of the server (its tp_size); default: what the server's /server_info reports. "
+        "Set it only to have start() check it."
     )
     request_timeout_s: float = Field(
         3600.0, gt=0, description="Deadline of one /generate call (a whole completion); past it the request errors."
@@ -128,8 +172,10 @@ class SGLangRolloutConfig(BaseModel):
     abort_retry_s: float = Field(
         0.05,
         gt=0,
-        description="An aborted request whose answer has not come back is aborted again after this (then doubling, "
-        "up to 1 s): an abort can reach the server before the request itself.",
+        description="An aborted request whose answer has not come back after this may have been unknown to the "
+        "server when its abort arrived (SGLang drops such aborts and forwards one abort per request): when every "
+        "request of this engine on the server is aborted, it then sends abort_all (again after doubling delays, up "
+        "to 1 s) until the answers are back.",
     )
     pause_keep: bool = Field(
         True, description="Offer pause(keep) (/pause_generation mode in_place or retract; SGLang >= 0.5.6)."
@@ -144,11 +190,13 @@ class SGLangRolloutConfig(BaseModel):
         description="The server runs with --enable-memory-saver (launch adds it): offer sleep()/wake_up() through "
         "/release_memory_occupation and /resume_memory_occupation.",
     )
-    truncated_logprobs: Literal["refuse", "server"] = Field(
-        "refuse",
-        description="Requests with top_p < 1 or top_k > 0: SGLang's log-probs are not renormalised after the "
-        "truncation, so they differ from asyncflow's convention. refuse: such a request fails with the reason; "
-        "server: return SGLang's values anyway.",
+    truncated_logprobs: Literal["renormalise", "refuse", "server"] = Field(
+        "renormalise",
+        description="Requests with top_k > 0 or top_p < 1 (SGLang's output_token_logprobs are not renormalised "
+        "after truncation). renormalise: top-k-only requests ask for return_sampling_mask and return SGLang's "
+        "renormalised selected log-probs (asyncflow's convention); top_p < 1 is refused (SGLang cuts top-p on the "
+        "untruncated distribution, asyncflow after top-k). refuse: every truncated request fails with the reason. "
+        "server: return SGLang's unrenormalised values.",
     )
     eos_token_ids: list[int] = Field(
         default_factory=list,
@@ -156,8 +204,10 @@ class SGLangRolloutConfig(BaseModel):
         "the model's own EOS); used to tell whether a resumed prefix is already complete.",
     )
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig, description="How weights reach the server.")
-    min_server_version: str = Field(
-        "0.4.10", description="Refuse servers whose /get_server_info version is older (parsed as numbers a.b.c)."
+    allow_unsupported_version: bool = Field(
+        False,
+        description="Use a server whose /server_info version is outside the supported range (0.5.20 to 0.5.23) "
+        "anyway; routes and semantics were read for that range only.",
     )
 
     @field_validator("url")
@@ -169,13 +219,6 @@ class SGLangRolloutConfig(BaseModel):
             raise ValueError("url must start with http:// or https:// (e.g. http://127.0.0.1:30000)")
         return value.rstrip("/")
 
-    @field_validator("min_server_version")
-    @classmethod
-    def _version(cls, value: str) -> str:
-        if parse_version(value) is None:
-            raise ValueError(f"min_server_version must look like 0.4.10, got {value!r}")
-        return value
-
     @model_validator(mode="after")
     def _one_server(self) -> SGLangRolloutConfig:
         if (self.url is None) == (self.launch is None):
@@ -185,18 +228,13 @@ class SGLangRolloutConfig(BaseModel):
             )
         return self
 
-    @property
-    def server_world_size(self) -> int:
-        """Ranks the server has: they all join the weight group after this process (rank 0)."""
-        if self.world_size is not None:
-            return self.world_size
-        return self.launch.tp_size * self.launch.dp_size if self.launch is not None else 1
-
     def features(self) -> RolloutFeatures:
         """The capabilities of an engine built from these options."""
-        return DECLARED_FEATURES.model_copy(
-            update={"supports_pause_keep": self.pause_keep, "supports_sleep": self.memory_saver}
-        )
+        return DECLARED_FEATURES.model_copy(update={
+            "supports_pause_keep": self.pause_keep,
+            "supports_sleep": self.memory_saver,
+            "supports_inflight_weight_update": self.pause_keep and self.keep_mode == "retract",
+        })
 
 
 def parse_version(text: str) -> tuple[int, ...] | None:
@@ -218,3 +256,13 @@ def parse_version(text: str) -> tuple[int, ...] | None:
 
 def is_loopback(host: str) -> bool:
     return host in _LOOPBACK
+
+
+def version_supported(version: tuple[int, ...]) -> bool:
+    """Whether an SGLang version (a.b.c, any suffix dropped) lies in :data:`SUPPORTED_SGLANG`."""
+    low, high = SUPPORTED_SGLANG
+    return low <= tuple(version[:3]) <= high
+
+
+def show_version(version: tuple[int, ...]) -> str:
+    return ".".join(str(part) for part in version)

@@ -1,4 +1,4 @@
-"""Start an SGLang server process on 127.0.0.1, wait until it is healthy, stop it (the whole process group)."""
+"""Start an SGLang server process on 127.0.0.1, wait until it is ready, stop it (the whole process group)."""
 
 from __future__ import annotations
 
@@ -64,16 +64,26 @@ def launch_arguments(config: SGLangRolloutConfig, port: int) -> list[str]:
     command = launch.command or [sys.executable, "-m", "sglang.launch_server"]
     args = [*command, "--model-path", model_path, "--host", HOST, "--port", str(port),
             "--tp-size", str(launch.tp_size), "--dp-size", str(launch.dp_size)]
+    if dtype in ("float32", "float") and "--attention-backend" not in launch.extra_args:
+        raise ConfigError(
+            "dtype float32 (from the run's model.dtype): SGLang's default attention backends (FlashInfer, FA3) run "
+            "half precision only; set rollout.options.launch.dtype: bfloat16, or name a backend that takes float32 "
+            "(launch.extra_args: ['--attention-backend', 'triton'])"
+        )
     if launch.mem_fraction_static is not None:
         args += ["--mem-fraction-static", str(launch.mem_fraction_static)]
     if dtype is not None:
         args += ["--dtype", dtype]
     if launch.random_seed is not None:
         args += ["--random-seed", str(launch.random_seed)]
+    if launch.deterministic_inference:
+        args += ["--enable-deterministic-inference"]
     if config.memory_saver:
         args += ["--enable-memory-saver"]
     if config.api_key:
         args += ["--api-key", config.api_key]
+    if config.admin_api_key:
+        args += ["--admin-api-key", config.admin_api_key]
     return [*args, *launch.extra_args]
 
 
@@ -84,7 +94,7 @@ def free_port() -> int:
 
 
 async def start_server(config: SGLangRolloutConfig) -> ServerProcess:
-    """Launch the server and return once ``/health`` answers 200; EngineError (with its log tail) otherwise."""
+    """Launch the server and return once ``/ready`` answers 200; EngineError (with its log tail) otherwise."""
     launch: LaunchConfig = config.launch  # type: ignore[assignment]
     port = launch.port or free_port()
     args = launch_arguments(config, port)
@@ -112,6 +122,8 @@ async def start_server(config: SGLangRolloutConfig) -> ServerProcess:
 
 
 async def wait_healthy(server: ServerProcess, config: SGLangRolloutConfig, timeout_s: float) -> None:
+    """Poll ``GET /ready``: 200 once SGLang finished its warm-up (``ServerStatus.Up``) and is not paused. Not
+    ``/health``, which generates a token per call once the server is up."""
     client = SGLangClient(server.url, connect_timeout_s=2.0, max_connections=2)
     deadline = time.monotonic() + timeout_s
     delay = 0.05
@@ -124,13 +136,13 @@ async def wait_healthy(server: ServerProcess, config: SGLangRolloutConfig, timeo
                     f"({server.log_path}):\n{server.log_tail()}"
                 )
             try:
-                await client.get("/health", timeout_s=5.0)
+                await client.get("/ready", timeout_s=5.0)
                 return
             except ServerError:
                 pass
             if time.monotonic() > deadline:
                 raise EngineError(
-                    f"the SGLang server at {server.url} was not healthy within {timeout_s:g}s "
+                    f"the SGLang server at {server.url} was not ready within {timeout_s:g}s "
                     f"(launch.startup_timeout_s); last log lines ({server.log_path}):\n{server.log_tail()}"
                 )
             await asyncio.sleep(delay)

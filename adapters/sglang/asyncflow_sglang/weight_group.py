@@ -1,13 +1,16 @@
 """The weight-update process group between this process (rank 0) and an SGLang server's ranks.
 
 SGLang's ``/init_weights_update_group`` makes every server rank join a
-torch.distributed group with ``init_custom_process_group``: a TCP rendezvous
-at ``init_method = tcp://{master_address}:{master_port}``, the store wrapped
-in ``PrefixStore(init_method, store)``, then torch's
+torch.distributed group with ``init_custom_process_group``
+(``python/sglang/srt/utils/common.py``, the same in 0.5.6 and 0.5.20 to
+0.5.23): a TCP rendezvous at ``init_method = tcp://{master_address}:{master_port}``
+as rank ``rank_offset + tp_rank``, the store wrapped in
+``PrefixStore(group_name, store)``, then torch's
 ``_new_process_group_helper(world_size, rank, [], backend, store,
-group_name=...)``. Rank 0 (the sender) must build its side the same way so
-that both sides look for the same store keys; :func:`join` does exactly that,
-for the sender here and for the protocol fake's receiver in tests.
+group_name=group_name)``. Rank 0 (the sender) must wrap its store with the
+same prefix so that both sides look for the same store keys; :func:`join`
+does that. (The protocol fake joins through its own rendering of SGLang's
+convention, in :mod:`asyncflow_sglang.testing`, not through this module.)
 
 The sender hosts the rendezvous store itself (port 0: the OS picks a free
 port, no probe-then-bind race) and tells the server its port.
@@ -74,6 +77,7 @@ def join(
     ``store`` is rank 0's hosted store; other ranks rendezvous through
     ``init_method``. The group is not the default group, so this works in a
     process that has (or has not) initialised torch.distributed otherwise.
+    The store is prefixed with ``group_name``, as SGLang's ranks prefix theirs.
     """
     from torch.distributed import distributed_c10d as c10d
 
@@ -82,8 +86,8 @@ def join(
     if store is None:
         store, rank, world_size = next(c10d.rendezvous(init_method, rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
-    # the same prefix SGLang's init_custom_process_group uses, so both sides meet on the same keys
-    prefixed = dist.PrefixStore(init_method, store)
+    # the prefix SGLang's init_custom_process_group puts on its ranks' store, so both sides meet on the same keys
+    prefixed = dist.PrefixStore(group_name, store)
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
     pg, _ = c10d._new_process_group_helper(
