@@ -17,6 +17,7 @@ from asyncflow_spec.base import BackendSpec, expect_unsupported, forbid, require
 from asyncflow_spec.dataset import DatasetSpec
 from asyncflow_spec.reward import RewardSpec
 from asyncflow_spec.rollout import RolloutEngineSpec
+from asyncflow_spec.stage import StageSpec
 from asyncflow_spec.store import StoreSpec
 from asyncflow_spec.train import TrainEngineSpec
 from asyncflow_spec.transport import WeightTransportSpec
@@ -29,6 +30,7 @@ SPEC_CLASSES: dict[PluginKind, type[BackendSpec]] = {
     PluginKind.ALGORITHM: AlgorithmSpec,
     PluginKind.REWARD: RewardSpec,
     PluginKind.DATASET: DatasetSpec,
+    PluginKind.STAGE: StageSpec,
 }
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "DatasetSpec",
     "RewardSpec",
     "RolloutEngineSpec",
+    "StageSpec",
     "StoreSpec",
     "TrainEngineSpec",
     "WeightTransportSpec",

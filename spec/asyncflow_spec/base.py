@@ -40,6 +40,10 @@ class BackendSpec:
 
     - ``backend``: registered name (required).
     - ``options``: options for its config model (default: the model's defaults).
+
+    The ``backend_options`` fixture is what the backend is built with:
+    ``options``, plus what a spec class supplies itself (the rollout spec's
+    tiny model, for an engine that takes a ``model``).
     """
 
     kind: ClassVar[PluginKind]
@@ -47,21 +51,31 @@ class BackendSpec:
     options: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture
-    def make_backend(self) -> Callable[..., Any]:
-        """``make_backend(**overrides)`` builds a new backend instance with ``options`` updated by ``overrides``."""
+    def backend_options(self) -> dict[str, Any]:
+        """The options the backend under test is built with (``options`` unless a spec class adds fixtures)."""
+        return dict(self.options)
+
+    @pytest.fixture
+    def make_backend(self, backend_options: dict[str, Any]) -> Callable[..., Any]:
+        """``make_backend(**overrides)`` builds a new backend with ``backend_options`` updated by ``overrides``."""
         if not self.backend:
             pytest.fail(f"{type(self).__name__} must set `backend` to the registered {self.kind.value} name")
-        pm = get_plugin_manager()
-
-        def make(**overrides: Any) -> Any:
-            return pm.create(self.kind, self.backend, {**self.options, **overrides})
-
-        return make
+        return Maker(self.kind, self.backend, backend_options)
 
     @pytest.fixture
     def registration(self):
         """The plugin registration record of the backend under test."""
         return get_plugin_manager().lookup(self.kind, self.backend)
+
+
+class Maker:
+    """Builds the backend under test from its registration; ``options`` are the ones it is built with."""
+
+    def __init__(self, kind: PluginKind, backend: str, options: dict[str, Any]) -> None:
+        self.kind, self.backend, self.options = kind, backend, options
+
+    def __call__(self, **overrides: Any) -> Any:
+        return get_plugin_manager().create(self.kind, self.backend, {**self.options, **overrides})
 
 
 def require(features: Any, flag: str) -> None:

@@ -325,6 +325,11 @@ class _Collector:
                 report.features_source = "instance"
             return backend
 
+        built_with = getattr(make, "options", None)
+        if isinstance(built_with, dict):
+            # the options the suite built the backend with (a spec class may add its own fixtures, e.g. a model)
+            recording.options = built_with  # type: ignore[attr-defined]
+            report.options = json.loads(json.dumps(built_with, default=str))
         pyfuncitem.funcargs["make_backend"] = recording
         return None  # the default implementation calls the test with the wrapped fixture
 

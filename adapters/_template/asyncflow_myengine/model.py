@@ -1,35 +1,49 @@
-"""The model this template serves: a one-layer GRU language model with random weights.
+"""The model this template serves: a Hugging Face causal LM run with plain ``transformers`` calls.
 
 It stands in for *your* engine. What the adapter needs from it is small and
-is what every inference engine has in some form: feed tokens, get next-token
-logits, and keep per-request state (here the GRU hidden state; in a
-transformer engine, the KV cache) so each decoding step feeds only new tokens.
+is what every inference engine has in some form: load the policy the run
+names, feed tokens, get next-token logits, and keep per-request state (here
+a ``transformers`` KV cache) so each decoding step feeds only new tokens.
+
+The model is built by the same function the trainers use
+(``asyncflow_plugins.hf.model.build_causal_lm``), so an ``hf_config`` with the
+trainer's seed gives the trainer's exact version-0 weights, and the tensor
+names of a weight update are the ones the trainers export (Hugging Face
+``state_dict`` keys, a tied ``lm_head`` sent once as ``model.embed_tokens.weight``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
+
+from asyncflow_core.config.models import ModelConfig
 
 
-class TinyGRULM(nn.Module):
-    """Embedding -> GRU -> linear head. ``forward`` continues from an optional hidden state."""
+def load(model: ModelConfig, seed: int, device: str) -> torch.nn.Module:
+    """The policy in ``model.dtype`` on ``device``, in eval mode (replace with your engine's loader)."""
+    from asyncflow_plugins.hf.model import build_causal_lm
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab_size, hidden_size)
-        self.rnn = nn.GRU(hidden_size, hidden_size, batch_first=True)
-        self.head = nn.Linear(hidden_size, vocab_size)
-
-    def forward(self, tokens: torch.Tensor, state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``tokens`` ``[batch, time]`` -> logits ``[batch, time, vocab]`` and the hidden state after the last token."""
-        out, state = self.rnn(self.embed(tokens), state)
-        return self.head(out), state
+    return build_causal_lm(model, seed=seed, device=device)
 
 
-def build(vocab_size: int, hidden_size: int, seed: int, device: str) -> TinyGRULM:
-    """Version-0 weights: random from ``seed``, so two engines built alike hold the same policy."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = TinyGRULM(vocab_size, hidden_size)
-    return model.to(device).eval()
+def context_limit(net: torch.nn.Module) -> int | None:
+    """Most positions the model takes (prompt + completion), from its config."""
+    positions = getattr(net.config, "max_position_embeddings", None) or getattr(net.config, "n_positions", None)
+    return int(positions) if positions else None
+
+
+def vocab_size(net: torch.nn.Module) -> int:
+    """Rows of the output projection: token ids are below it."""
+    return int(net.get_output_embeddings().weight.shape[0])
+
+
+@torch.no_grad()
+def next_logits(net: torch.nn.Module, tokens: list[int], cache: Any, device: str) -> tuple[torch.Tensor, Any]:
+    """Feed ``tokens`` after what ``cache`` holds (None: nothing yet); float32 logits of the next token, new cache."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    out = net(input_ids=ids, past_key_values=cache if cache is not None else DynamicCache(), use_cache=True)
+    return out.logits[0, -1].float().cpu(), out.past_key_values

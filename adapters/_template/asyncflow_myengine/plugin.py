@@ -23,6 +23,6 @@ def asyncflow_rollout_engines():
         name="myengine",
         factory=_make,
         config_model=MyEngineConfig,
-        description="Tiny GRU language model with random weights; the adapter template to copy.",
+        description="A Hugging Face causal LM decoded request by request; the adapter template to copy.",
         features=FEATURES,
     )

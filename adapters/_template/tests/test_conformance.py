@@ -1,13 +1,15 @@
-"""The conformance suite against this engine: one spec subclass."""
+"""The conformance suite against this engine: one spec subclass.
 
-from asyncflow_myengine.model import build
+The engine declares a ``model`` option, so the suite serves it its own tiny
+Hugging Face model and checks every log-prob against a float64 forward pass
+of the same weights; the weight-update tests push weights the suite makes,
+and the pairing test pushes what the ``fsdp`` trainer exports (when
+asyncflow-fsdp is installed).
+"""
+
 from asyncflow_spec import RolloutEngineSpec
 
 
 class TestMyEngine(RolloutEngineSpec):
     backend = "myengine"
-    options = {"vocab_size": 32, "hidden_size": 16}
-
-    def weights(self):
-        """A complete update the engine accepts (runs the suite's weight-update tests): other weights, same shapes."""
-        return build(vocab_size=32, hidden_size=16, seed=1, device="cpu").state_dict()
+    options = {"device": "cpu"}

@@ -1,7 +1,8 @@
-"""What this engine promises beyond the spec suite's generic checks: weights, versions, prefixes, seeds.
+"""What this engine promises beyond the spec suite's generic checks, with a model of its own choosing.
 
 Keep tests like these next to the conformance module: they pin down your
-engine's own behaviour with its real model.
+engine's own behaviour with its real model (here a tiny Qwen2 built from an
+``hf_config``, the way a run config describes a model).
 """
 
 import asyncio
@@ -9,14 +10,18 @@ import asyncio
 import pytest
 import torch
 
+from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.errors import WeightTransferError
 from asyncflow_core.interfaces import PauseMode
 from asyncflow_core.plugins import get_plugin_manager
 from asyncflow_core.types import FinishReason, GenerationRequest, SamplingParams, pack_buckets
 from asyncflow_core.types.sampling import sampling_logprobs
-from asyncflow_myengine.model import build
+from asyncflow_plugins.hf.model import build_causal_lm
 
-OPTIONS = {"vocab_size": 32, "hidden_size": 16}
+TINY = {"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+        "tie_word_embeddings": True}
+OPTIONS = {"model": {"hf_config": TINY}, "device": "cpu"}
 
 
 def run(coro):
@@ -37,8 +42,18 @@ def request(rid, n=6, **sampling):
     return GenerationRequest(rid, (1, 2, 3), SamplingParams(max_new_tokens=n, **sampling))
 
 
-def buckets_of(model, version, bucket_bytes=1 << 10):
-    return pack_buckets(model.state_dict().items(), version=version, bucket_bytes=bucket_bytes)
+def reference(seed):
+    """The policy as the trainers build it: the same builder, so seed 0 is the engine's version 0."""
+    return build_causal_lm(ModelConfig(hf_config=TINY), seed=seed)
+
+
+def exported(model):
+    """The tensors as the fsdp trainer exports them: state_dict names, the tied lm_head sent once."""
+    return [(k, v) for k, v in model.state_dict().items() if k != "lm_head.weight"]
+
+
+def buckets_of(model, version, bucket_bytes=1 << 12):
+    return pack_buckets(exported(model), version=version, bucket_bytes=bucket_bytes)
 
 
 async def aiter_(items):
@@ -47,31 +62,29 @@ async def aiter_(items):
 
 
 def test_logprobs_are_the_models_own_under_the_sampling_convention():
-    """Re-scoring the sampled tokens with the same weights gives the returned log-probs."""
+    """Re-scoring the sampled tokens with the trainer-built weights gives the returned log-probs."""
 
     async def body():
         engine = await started()
         try:
-            res = (await complete(engine, request("a", temperature=0.7, top_k=5)))["a"]
+            return (await complete(engine, request("a", n=10, temperature=0.7, top_k=5)))["a"]
         finally:
             await engine.shutdown()
-        model = build(32, 16, seed=0, device="cpu")
-        tokens = torch.tensor([[1, 2, 3, *res.token_ids]])
-        with torch.no_grad():
-            logits, _ = model(tokens)
-        steps = logits[0, 2:-1]  # the logits that sampled each generated token
-        want = sampling_logprobs(steps, 0.7, 1.0, 5).gather(1, torch.tensor(res.token_ids)[:, None]).squeeze(1)
-        assert torch.allclose(torch.tensor(res.logprobs), want, atol=1e-5)
 
-    run(body())
+    res = run(body())
+    tokens = torch.tensor([[1, 2, 3, *res.token_ids]])
+    with torch.no_grad():
+        logits = reference(0)(input_ids=tokens).logits[0, 2:-1]  # the logits that sampled each generated token
+    want = sampling_logprobs(logits, 0.7, 1.0, 5).gather(1, torch.tensor(res.token_ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(res.logprobs), want, atol=1e-4, rtol=0)
 
 
-def test_update_weights_switches_version_and_policy_and_refuses_bad_buckets():
-    """A complete, verified version is applied; a corrupted or incomplete one leaves the old weights in force."""
+def test_update_weights_takes_the_trainer_names_and_refuses_bad_buckets():
+    """A complete, verified version in the trainer's names is applied; a corrupted or incomplete one is refused."""
 
     async def body():
         engine = await started()
-        other = build(32, 16, seed=7, device="cpu")
+        other = reference(7)
         try:
             before = (await complete(engine, request("b", seed=3)))["b"]
             good = list(buckets_of(other, version=1))
@@ -88,11 +101,16 @@ def test_update_weights_switches_version_and_policy_and_refuses_bad_buckets():
             await engine.update_weights(1, aiter_(good))
             after = (await complete(engine, request("b", seed=3)))["b"]
             assert engine.version == 1 and set(after.versions) == {1}
-            assert after.logprobs != before.logprobs
+            return after
         finally:
             await engine.shutdown()
 
-    run(body())
+    after = run(body())
+    tokens = torch.tensor([[1, 2, 3, *after.token_ids]])
+    with torch.no_grad():
+        logits = reference(7)(input_ids=tokens).logits[0, 2:-1]
+    want = sampling_logprobs(logits, 1.0).gather(1, torch.tensor(after.token_ids)[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(after.logprobs), want, atol=1e-4, rtol=0)
 
 
 def test_prefix_is_continued_and_returned():
