@@ -150,10 +150,15 @@ class ArithmeticDataset(Dataset):
     ``metadata`` holds ``answer`` (the result as a canonical integer string),
     ``terminator`` and ``expression``. Records are built on access and cached
     nowhere, so ``size`` can be large.
+
+    ``stop_text`` (the terminator) tells the runtime what ends a completion:
+    with the character tokenizer it becomes every request's stop token and
+    the built model's EOS, unless ``model.eos`` names it already.
     """
 
     def __init__(self, config: ArithmeticConfig) -> None:
         self.config = config
+        self.stop_text: str = config.terminator
 
     def __len__(self) -> int:
         return self.config.size

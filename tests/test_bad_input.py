@@ -332,8 +332,6 @@ DATASET_MID_RUN = [
      ["dataset record 0 has an empty prompt", "remove it or give it text"]),
     ("outside-alphabet", json.dumps({"prompt": "WHAT?", "answer": "1"}), [], ConfigError,
      ["dataset record 0", "'WHAT?'", "'W'", "not in model.alphabet", "extend the alphabet"]),
-    ("beyond-engine-vocab", json.dumps({"prompt": "xyz", "answer": "1"}), [], RunStopped,
-     ["every rollout replica died", "outside the vocabulary [0, 16)", "raise vocab_size"]),
 ]
 
 
@@ -348,6 +346,19 @@ def test_bad_prompt_found_mid_run_stops_with_the_reason_and_accounts(tmp_path, b
         assert part in msg, f"{part!r} not in {msg!r}"
     _accounted(summary)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["ledger"] == summary["ledger"]
+
+
+def test_a_prompt_beyond_the_engine_vocabulary_fails_only_its_own_rows(tmp_path):
+    """The engine answers that request with an error result: its rows are recorded as failed, the run goes on."""
+    data = _jsonl(tmp_path, json.dumps({"prompt": "xyz", "answer": "1"}), at=0)
+    runtime = FlowRuntime(toy(f"data.options.path={data}", "data.shuffle=false"), run_dir=tmp_path / "run",
+                          write_png=False)
+    asyncio.run(runtime.run())
+    summary = runtime.summary
+    assert summary["stop_reason"] == "done", summary["stop_reason"]
+    assert summary["counters"]["failed_rollout"] > 0
+    led = _accounted(summary)
+    assert led["dropped"] > 0
 
 
 def test_arithmetic_prompts_outside_the_alphabet_name_the_record_and_character(tmp_path):

@@ -47,9 +47,11 @@ def by_class(report, name):
 
 def test_report_records_declared_features_and_every_outcome(pytester):
     pytester.makepyfile(test_backends=SPEC_MODULE)
-    result = pytester.runpytest_inprocess(
+    # in a subprocess: an in-process run restores sys.modules afterwards, and torch modules it imported (the
+    # optimizer's lazy torch._dynamo) would register their operator libraries a second time in later tests
+    result = pytester.runpytest_subprocess(
         "-p", "asyncflow_spec.report", "--spec-only", "--spec-report", "r.md", "--spec-report-json", "r.json",
-        "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",  # imported by this module
+        "-p", "no:cacheprovider",
     )
     assert result.ret == 1  # the misconfigured class fails
     assert result.parseoutcomes()["deselected"] == 1  # --spec-only: the module's own test is not the suite's
@@ -68,7 +70,8 @@ def test_report_records_declared_features_and_every_outcome(pytester):
     skipped = tests["test_abort_unsupported_raises_documented_error"]
     assert skipped.outcome == "skipped" and "supports_abort is True" in skipped.reason
     assert toy.verdicts()["supports_sleep"] == "error-verified" and toy.verdicts()["supports_abort"] == "verified"
-    assert {t.outcome for t in toy.tests} <= {"passed", "skipped"}
+    failing = {t.name for t in toy.tests if t.outcome not in ("passed", "skipped")}
+    assert not failing, failing  # the toy engine passes the whole rollout suite
 
     # whatever the suite holds: a test gated on a flag runs exactly when the declaration allows it
     for backend in report.backends:
@@ -82,12 +85,12 @@ def test_report_records_declared_features_and_every_outcome(pytester):
     broken = by_class(report, "TestToyTooSmallVocabulary")
     failed = [t for t in broken.tests if t.outcome == "failed"]
     assert failed and all(t.reason for t in failed)
-    assert any("outside the vocabulary" in t.reason for t in failed)  # the engine's own one-line error
+    assert any("ended with error" in t.reason for t in failed)  # the engine answers each request with an error result
 
     markdown = (pytester.path / "r.md").read_text()
     assert "## rollout_engine `toy`" in markdown and "## train_engine `toy`" in markdown
-    assert "| `supports_sleep` | no | `test_sleep_unsupported_raises_documented_error` |" in markdown
-    assert "**FAILED**" in markdown and "outside the vocabulary" in markdown
+    assert "| `supports_sleep` | no | `test_sleep_unsupported_raises_documented_error`" in markdown
+    assert "**FAILED**" in markdown and "ended with error" in markdown
 
 
 @pytest.mark.parametrize("where, message", [

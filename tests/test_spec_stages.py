@@ -125,14 +125,6 @@ def stage_plugins(fresh_plugins):
     yield pm
 
 
-#: Stage.placeholder (asyncflow_core/flow/stage.py) gives a dense column of a plugin a ragged placeholder whenever the
-#: batch holds response_ids, so the loop's row-by-row retry cannot concatenate the outputs and the run stops.
-DENSE_PLACEHOLDER = pytest.mark.xfail(
-    strict=True,
-    reason="the default Stage.placeholder makes a dense plugin column ragged: one failing row stops the loop",
-)
-
-
 class TestDocstringLengthFilter(StageSpec):
     """The hook docstring's example, with a limit the suite's batch crosses (responses of 1 to 4 tokens)."""
 
@@ -140,19 +132,11 @@ class TestDocstringLengthFilter(StageSpec):
     options = {"max_tokens": 2}
     column_dtypes = {"too_long": torch.float32}
 
-    @DENSE_PLACEHOLDER
-    def test_a_failing_row_is_recorded_and_the_others_go_on(self, make_backend):
-        super().test_a_failing_row_is_recorded_and_the_others_go_on(make_backend)
-
 
 class TestFirstTokenFilter(StageSpec):
     backend = "first_token_filter"
     options = {"token": 3}  # the suite's response 1 starts with token 3: one row dropped
     column_dtypes = {"first_token": torch.float32}
-
-    @DENSE_PLACEHOLDER
-    def test_a_failing_row_is_recorded_and_the_others_go_on(self, make_backend):
-        super().test_a_failing_row_is_recorded_and_the_others_go_on(make_backend)
 
 
 class TestLengthReward(StageSpec):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +17,33 @@ from asyncflow_core.errors import ConfigError, PluginError
 from asyncflow_core.plugins import AsyncflowPluginManager, PluginKind, Registered, get_plugin_manager
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """``"trainer.options.lr=1e-5"`` -> ``(["trainer", "options", "lr"], 1e-05)``; the value is parsed as YAML."""
+#: one dotted part of an override path: a field name, then any number of list indices (``stages[0]``)
+_PART = re.compile(r"([^\[\]]+)((?:\[\d+\])*)")
+
+#: a path into the config: field names (str) and list indices (int)
+OverridePath = list[str | int]
+
+
+def parse_override(text: str) -> tuple[OverridePath, Any]:
+    """``"trainer.options.lr=0.001"`` -> ``(["trainer", "options", "lr"], 0.001)``; the value is parsed as YAML.
+
+    A part may index a list: ``"pipeline.stages[0].options.x=3"`` ->
+    ``(["pipeline", "stages", 0, "options", "x"], 3)``.
+    """
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError(f"override {text!r} must look like section.field=value (e.g. trainer.total_steps=100)")
-    parts = key.split(".")
-    if any(not p for p in parts):
-        raise ConfigError(f"override {text!r} has an empty path component in {key!r}")
+    parts: OverridePath = []
+    for part in key.split("."):
+        if not part:
+            raise ConfigError(f"override {text!r} has an empty path component in {key!r}")
+        match = _PART.fullmatch(part)
+        if match is None:
+            raise ConfigError(f"override {text!r}: {part!r} is not a field name or name[index] "
+                              "(e.g. pipeline.stages[0].options.x=3)")
+        parts.append(match.group(1))
+        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
@@ -32,21 +51,54 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _dotted(parts: OverridePath) -> str:
+    """``["pipeline", "stages", 0, "options"]`` -> ``"pipeline.stages[0].options"``."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _step(node: Any, part: str | int, parts: OverridePath, depth: int, text: str) -> Any:
+    """The child of ``node`` at ``part`` (creating a missing mapping); one-line errors for a wrong shape."""
+    here = _dotted(parts[: depth + 1])
+    if isinstance(part, int):
+        where = _dotted(parts[:depth])
+        if node is None:
+            raise ConfigError(f"override {text!r}: {where} is not set, so it has no [{part}]; "
+                              f"set the whole list ({where}=[...])")
+        if not isinstance(node, list):
+            raise ConfigError(f"override {text!r}: {where} is {node!r}, not a list; index only a list")
+        if part >= len(node):
+            have = f"indices 0..{len(node) - 1}" if node else "no entries"
+            raise ConfigError(f"override {text!r}: {here} is out of range ({_dotted(parts[:depth])} has {have}); "
+                              "set the whole list to add entries")
+        return node[part]
+    if not isinstance(node, dict):
+        where = _dotted(parts[:depth])
+        if isinstance(node, list):
+            raise ConfigError(f"override {text!r}: {where} is a list; index it (e.g. {where}[0].{part})")
+        raise ConfigError(f"override {text!r}: {where} is {node!r}, not a section with fields")
+    if node.get(part) is None and depth + 1 < len(parts) and not isinstance(parts[depth + 1], int):
+        node[part] = {}
+    return node.get(part)
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Set each dotted override in (a copy of) ``data``; intermediate mappings are created as needed."""
+    """Set each dotted override in (a copy of) ``data``; intermediate mappings are created as needed.
+
+    List entries are reached by index (``pipeline.stages[0].options.x=3``); an
+    index past the end is an error (set the whole list to add entries).
+    """
     result = _deep_copy(data)
     for text in overrides:
         parts, value = parse_override(text)
-        node = result
+        node: Any = result
         for depth, part in enumerate(parts[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                where = ".".join(parts[: depth + 1])
-                raise ConfigError(f"override {text!r}: {where} is {child!r}, not a section with fields")
-            node = child
-        node[parts[-1]] = value
+            node = _step(node, part, parts, depth, text)
+        last = parts[-1]
+        _step(node, last, parts, len(parts) - 1, text)  # the same shape checks as on the way down
+        node[last] = value
     return result
 
 
@@ -176,6 +228,9 @@ def resolve(config: RunConfig, pm: AsyncflowPluginManager | None = None) -> Reso
         # each prompt yields rollout.n samples: any other group size fails every group mid-run
         problems.append(f"algorithm.options.group_size={group_size} contradicts rollout.n={config.rollout.n} "
                         f"(samples per prompt); set group_size to {config.rollout.n} or leave it unset")
+    special = config.model.special_token_problem()
+    if special is not None:
+        problems.append(special)
     if problems:
         raise ConfigError("; ".join(problems))
     return ResolvedConfig(config, components, unchecked)

@@ -44,6 +44,13 @@ class ModelConfig(StrictModel):
         "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz.,?",
         description="Without `path`: a character tokenizer, token i = alphabet[i] (toy and simulated models).",
     )
+    eos: str | None = Field(
+        None,
+        description="Without `path`: the alphabet character that ends a completion. Every rollout request lists it "
+        "as its stop token, and a model built from `hf_config` gets it as eos_token_id (bos and pad left unset), "
+        "so no answer character ends a completion. Default: the dataset's end marker (arithmetic: its "
+        "terminator), else none (completions run to rollout.max_new_tokens).",
+    )
 
     @field_validator("alphabet")
     @classmethod
@@ -58,7 +65,39 @@ class ModelConfig(StrictModel):
     def _one_source(self) -> ModelConfig:
         if self.path is not None and self.hf_config is not None:
             raise ValueError("set either model.path or model.hf_config, not both")
+        if self.eos is not None:
+            if self.path is not None:
+                raise ValueError("model.eos is for the character tokenizer; with model.path the checkpoint's EOS "
+                                 "ends completions: remove model.eos")
+            if len(self.eos) != 1 or self.eos not in self.alphabet:
+                raise ValueError(f"model.eos {self.eos!r} must be one character of model.alphabet {self.alphabet!r}")
+            if self.eos.isdigit():
+                raise ValueError(f"model.eos {self.eos!r} is a digit, which answers use; pick a character such "
+                                 "as '.' that only ends them")
         return self
+
+    def special_token_problem(self) -> str | None:
+        """Why the special token ids of ``hf_config`` clash with the character tokenizer, or None.
+
+        With the character tokenizer, token ``i`` *is* ``alphabet[i]``: an
+        ``eos_token_id`` (or ``bos``/``pad``) inside the alphabet is a real
+        character, and an engine that ends completions on it can never write
+        that character (a Llama config's default eos 2 is the digit "2").
+        Only ``model.eos`` may be special.
+        """
+        if self.path is not None or not self.hf_config:
+            return None
+        end = self.alphabet.index(self.eos) if self.eos is not None else None
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
+            value = self.hf_config.get(key)
+            ids = value if isinstance(value, list) else [value]
+            for tid in ids:
+                if isinstance(tid, int) and 0 <= tid < len(self.alphabet) and tid != end:
+                    fix = (f"set it to {end} (model.eos {self.eos!r}) or remove it" if end is not None
+                           else "set model.eos to the character that ends a completion, or remove it")
+                    return (f"model.hf_config.{key}={tid} is {self.alphabet[tid]!r}, a character of model.alphabet, "
+                            f"so a completion could never contain it; {fix}")
+        return None
 
 
 class DataConfig(Component):
@@ -207,6 +246,41 @@ class AsyncConfig(StrictModel):
         return self.max_staleness
 
 
+class CanaryConfig(StrictModel):
+    """A check, off the hot path, that the rollout engines sample from the weights the trainer published."""
+
+    every: int | None = Field(
+        None, ge=0,
+        description="Check every N steps: a live replica completes a few of the step's prompts right after loading "
+        "the new version, and the trainer scores the same tokens at that version. 0 disables; default: 10 with a "
+        "real model (model.path or model.hf_config), off otherwise.",
+    )
+    samples: int = Field(4, ge=1, description="Prompts completed per check (distinct prompts of the step's batch).")
+    warn_above: float = Field(
+        0.1, gt=0,
+        description="Mean absolute difference per token between the engine's and the trainer's log-probs above "
+        "which a check logs a warning (metric canary/mean_abs_dlogp). Engines computing in float32 agree to "
+        "~1e-6; bfloat16 ones differ more.",
+    )
+    stop_above: float | None = Field(
+        0.4, gt=0,
+        description="Mean absolute log-prob difference above which the run stops with an error naming the engine "
+        "(an engine that never loads weights measured 0.58 to 0.70 on the arithmetic example); null: only warn.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> CanaryConfig:
+        if self.stop_above is not None and self.stop_above < self.warn_above:
+            raise ValueError(f"canary.stop_above ({self.stop_above}) is below canary.warn_above ({self.warn_above})")
+        return self
+
+    def interval(self, real_model: bool) -> int:
+        """Steps between checks in force (0: off)."""
+        if self.every is not None:
+            return self.every
+        return 10 if real_model else 0
+
+
 class PipelineConfig(StrictModel):
     """How the flow runtime runs the stages."""
 
@@ -271,6 +345,7 @@ class RunConfig(StrictModel):
     reward: RewardConfig = Field(description="Reward.")
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async", description="Asynchrony and staleness.")
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Flow runtime knobs.")
+    canary: CanaryConfig = Field(default_factory=CanaryConfig, description="Weights canary (rollout vs trainer).")
     launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="Launcher.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and traces.")
 

@@ -29,6 +29,7 @@ from asyncflow_core import columns as C
 from asyncflow_core.config.loader import ResolvedConfig
 from asyncflow_core.config.redact import default_redactor, install_log_redaction, redact_config
 from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
+from asyncflow_core.flow.canary import Canary
 from asyncflow_core.flow.checkpoint import CheckpointState, latest_checkpoint, save_checkpoint
 from asyncflow_core.flow.ledger import Ledger
 from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage
@@ -41,7 +42,7 @@ from asyncflow_core.flow.stages import (
     TrainStage,
 )
 from asyncflow_core.flow.telemetry import MetricsWriter, Timeline, gantt_png, reward_png
-from asyncflow_core.flow.tokenizer import make_tokenizer
+from asyncflow_core.flow.tokenizer import make_tokenizer, stop_token_ids, with_dataset_end
 from asyncflow_core.interfaces import KVCachePolicy, OffPolicyCorrection
 from asyncflow_core.plugins import get_plugin_manager
 from asyncflow_core.types import Batch, SamplingParams
@@ -122,27 +123,40 @@ class FlowRuntime:
         await _restore_ledger(ctx, state)
         ctx.version = trainer.version
         step_log.tokens = state.tokens_trained
-        await self._push_weights(trainer, ctx, rollout, transport)
+        await self._push_weights(trainer, ctx, rollout, transport, phase="weight push after resume")
         log.info("resumed from %s at version %d (%d prompts trained, %d dropped)", path, trainer.version,
                  len(state.trained), len(state.dropped))
 
-    async def _push_weights(self, trainer: Any, ctx: FlowContext, rollout: RolloutStage, transport: Any) -> None:
-        """Stage the trainer's current weights and load them into every replica before anything is generated."""
+    async def _push_weights(self, trainer: Any, ctx: FlowContext, rollout: RolloutStage, transport: Any, *,
+                            phase: str = "initial weight push") -> None:
+        """Stage the trainer's current weights and load them into every replica before anything is generated.
+
+        A failure is one :class:`EngineError` line naming the phase, the engine and the error's type.
+        """
         cfg = self.config
-        report = await transport.send(trainer.export_weights(bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20))),
-                                      deadline_s=cfg.weight_transport.deadline_s)
+        try:
+            report = await transport.send(
+                trainer.export_weights(bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20))),
+                deadline_s=cfg.weight_transport.deadline_s)
+        except Exception as exc:  # noqa: BLE001 - one line saying where it failed, the original kept as the cause
+            raise EngineError(f"{phase}: trainer {cfg.trainer.name!r} could not export or stage its weights "
+                              f"({type(exc).__name__}: {exc})") from exc
         ctx.published = report.version
         rollout.weights_pushed = True
         for r in rollout.replicas:
             with ctx.timeline.span(r.lane, "update_weights"):
                 try:
                     await rollout._update(r, min_version=report.version)
-                except EngineError as exc:
-                    if not callable(getattr(r.engine, "restart", None)):
-                        raise
-                    # a replaceable replica (a launcher's remote one) died here: the rollout stage restarts it and
-                    # loads these weights into the new one before it generates anything
-                    await rollout._replica_died(r, exc)
+                except Exception as exc:  # noqa: BLE001 - see above
+                    if isinstance(exc, EngineError) and callable(getattr(r.engine, "restart", None)):
+                        # a replaceable replica (a launcher's remote one) died here: the rollout stage restarts it
+                        # and loads these weights into the new one before it generates anything
+                        await rollout._replica_died(r, exc)
+                        continue
+                    raise EngineError(
+                        f"{phase}: rollout engine {cfg.rollout.name!r} (replica {r.index}) failed to load the "
+                        f"weights of trainer {cfg.trainer.name!r} ({type(exc).__name__}: {exc}); `asyncflow config "
+                        "validate` checks that the two fit before a run") from exc
 
     def _inherited(self, section: str) -> dict[str, Any]:
         """Run-level settings an engine's options receive when they have the field and the user left it unset.
@@ -179,6 +193,20 @@ class FlowRuntime:
             if i and name in fields:
                 return {name: getattr(opts, name) + 7919 * i}
         return {}
+
+    def _canary(self, rollout: RolloutStage, trainer: Any, lock: asyncio.Lock, sampling: SamplingParams,
+                ctx: FlowContext) -> Canary | None:
+        """The weights canary the ``canary`` section asks for (default: every 10 steps with a real model)."""
+        cfg = self.config
+        every = cfg.canary.interval(real_model=cfg.model.path is not None or cfg.model.hf_config is not None)
+        if not every:
+            return None
+        canary = Canary(every=every, samples=cfg.canary.samples, warn_above=cfg.canary.warn_above,
+                        stop_above=cfg.canary.stop_above, replicas=rollout.replicas, trainer=trainer,
+                        trainer_lock=lock, sampling=sampling, engine_name=cfg.rollout.name,
+                        deadline_s=cfg.weight_transport.deadline_s)
+        canary.bind(ctx)
+        return canary
 
     def _plugin_stage(self, where: str) -> Stage:
         comp = self.resolved.components[where]
@@ -218,6 +246,10 @@ class FlowRuntime:
         dataset = self._create("data")
         if len(dataset) == 0:
             raise ConfigError("the dataset is empty; point data.options at a file with prompts")
+        cfg.model = with_dataset_end(cfg.model, dataset)  # the task's end marker ends completions (and is the EOS)
+        special = cfg.model.special_token_problem()
+        if special is not None:
+            raise ConfigError(special)
         data_print = {"size": len(dataset), "seed": cfg.seed, "shuffle": cfg.data.shuffle, "epochs": cfg.data.epochs,
                       "prompts_per_step": B, "n": n}
         if resume_from is not None and resume_from[1].data != data_print:
@@ -252,7 +284,8 @@ class FlowRuntime:
         ctx.counters = self.roles.counters  # one set of counters: the launcher's events land in the metrics too
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.run_dir else None, append=self.resume)
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k)
+                                  top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                                  stop_token_ids=stop_token_ids(cfg.model, tokenizer))
         colocated = bool(cfg.async_.colocated)
         rollout = RolloutStage(
             replicas, transport, sampling, max_inflight=cfg.rollout.max_inflight,
@@ -318,6 +351,10 @@ class FlowRuntime:
         if needs_old or needs_values:
             train.engine_lock = trainer_lock
         stages.append(train)
+        canary = self._canary(rollout, trainer, train.engine_lock, sampling, ctx)
+        if canary is not None:
+            train.canary = canary
+            step_log.extras.append(canary.take_metrics)
 
         wall0 = time.perf_counter()
         sim0 = clock()
@@ -369,6 +406,8 @@ class FlowRuntime:
                 t.cancel()
             with contextlib.suppress(BaseException):
                 await asyncio.gather(*tasks, return_exceptions=True)
+            if canary is not None:
+                await canary.close()
             rollout.close_spans()
             step_log.close()
             await _quietly(store.close())
@@ -478,6 +517,7 @@ class _StepLogger:
         self.tokens = 0
         self.total = total
         self.step_ends: list[tuple[float, int]] = []  #: (clock at the end of each step, samples it trained)
+        self.extras: list[Any] = []  #: callables returning more figures for the step's record (the canary's)
         self._last_end = ctx.clock()
         self._last_counters: Counter[str] = Counter()
         self._progress = None
@@ -524,6 +564,7 @@ class _StepLogger:
             "events": delta,
             "utilisation": {k: round(v, 4) for k, v in sorted(util.items())},
             **{f"train/{k}": float(v) for k, v in metrics.items()},
+            **{k: v for extra_fn in self.extras for k, v in extra_fn().items()},
         }
         self.writer.write(record)
         self.step_ends.append((now, batch.num_rows))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncflow_core import columns as C
 from asyncflow_core.errors import AsyncflowError
 from asyncflow_core.flow.ledger import Ledger
 from asyncflow_core.flow.telemetry import Timeline
@@ -32,6 +33,31 @@ from asyncflow_core.interfaces.store import BatchMeta, StreamStore
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 log = logging.getLogger("asyncflow.flow")
+
+
+#: Kind and dtype of the standard columns (asyncflow_core/columns.py), for :meth:`Stage.placeholder`.
+STANDARD_COLUMN_TYPES: dict[str, tuple[str, torch.dtype]] = {
+    C.PROMPT_IDS: ("ragged", torch.int64),
+    C.RESPONSE_IDS: ("ragged", torch.int64),
+    C.BEHAVIOR_LOGPROBS: ("ragged", torch.float32),
+    C.RESPONSE_VERSIONS: ("ragged", torch.int64),
+    C.OLD_LOGPROBS: ("ragged", torch.float32),
+    C.REF_LOGPROBS: ("ragged", torch.float32),
+    C.VALUES: ("ragged", torch.float32),
+    C.REWARD: ("dense", torch.float32),
+    C.ADVANTAGES: ("ragged", torch.float32),
+    C.RETURNS: ("ragged", torch.float32),
+    C.GROUP_ID: ("dense", torch.int64),
+    C.LOGPROBS: ("ragged", torch.float32),
+    C.FILTERED: ("dense", torch.bool),
+    C.TRUNCATED: ("dense", torch.bool),
+    C.VALUE_PREDS: ("ragged", torch.float32),
+}
+
+#: Ragged standard columns with one value per response token (their offsets are the response's).
+_PER_RESPONSE_TOKEN = frozenset({C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.OLD_LOGPROBS, C.REF_LOGPROBS, C.VALUES,
+                                 C.ADVANTAGES, C.RETURNS, C.LOGPROBS, C.VALUE_PREDS})
+_RESPONSE_IDS = C.RESPONSE_IDS
 
 
 class RunStopped(AsyncflowError):
@@ -62,18 +88,39 @@ class FlowContext:
     reward_extra: dict[int, dict[str, float]] = field(default_factory=dict)  #: row id -> a reward's extra values
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     stop_reason: str | None = None
-    changed: asyncio.Condition = field(default_factory=asyncio.Condition)  #: version/published/ledger changes
     listeners: list[asyncio.Event] = field(default_factory=list)  #: also set on every notify and on halt
+    #: tasks in :meth:`wait_for`: (predicate, future); :meth:`notify` resolves those whose predicate holds
+    waiting: list[tuple[Callable[[], bool], asyncio.Future]] = field(default_factory=list, repr=False)
 
     async def notify(self) -> None:
+        """Version, published weights or the ledger changed: wake the listeners and the waiters now satisfied."""
         for ev in self.listeners:
             ev.set()
-        async with self.changed:
-            self.changed.notify_all()
+        self._wake_satisfied()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        async with self.changed:
-            await self.changed.wait_for(lambda: predicate() or self.stop.is_set())
+        """Return once ``predicate()`` holds after a :meth:`notify` (or the run stops)."""
+        while not (predicate() or self.stop.is_set()):
+            fut = asyncio.get_running_loop().create_future()
+            self.waiting.append((predicate, fut))
+            await fut
+
+    def _wake_satisfied(self) -> None:
+        # predicates are checked here, not in each waiter: a run has a waiter per rollout replica, and waking
+        # all of them on every change costs a task switch each (quadratic in replicas over a run)
+        still = []
+        for predicate, fut in self.waiting:
+            if fut.done():
+                continue  # its task was cancelled
+            try:
+                ready = self.stop.is_set() or predicate()
+            except Exception:  # noqa: BLE001 - the waiter evaluates it again and raises in its own task
+                ready = True
+            if ready:
+                fut.set_result(None)
+            else:
+                still.append((predicate, fut))
+        self.waiting = still
 
     def fail_rows(self, stage: str, row_ids: Sequence[int], error: str) -> None:
         for r in row_ids:
@@ -98,6 +145,7 @@ class FlowContext:
         self.stop.set()
         for ev in self.listeners:
             ev.set()
+        self._wake_satisfied()
 
 
 @dataclass(frozen=True)
@@ -121,6 +169,9 @@ class Stage(abc.ABC):
     concurrency: int = 1  #: leases processed at once
     span_name: str = "process"
     lease_s: float | None = None  #: lease on the rows it holds (None: the store's default)
+    #: kind (``"dense"`` or ``"ragged"``) and dtype of each produced column that is not a standard one and not dense
+    #: float32; :meth:`placeholder` writes failed rows in them (e.g. ``{"n_tool_calls": ("dense", torch.int64)}``)
+    column_types: Mapping[str, tuple[str, torch.dtype]] = {}
 
     ctx: FlowContext
 
@@ -135,16 +186,26 @@ class Stage(abc.ABC):
         raise NotImplementedError
 
     def placeholder(self, batch: Batch) -> dict[str, Column]:
-        """Outputs written for failed rows (zeros / empty sequences); override for non-float columns."""
+        """Outputs written for failed rows: zeros in each produced column's kind and dtype.
+
+        The kind and dtype of a column come from :attr:`column_types`, else
+        from the standard columns' table (:data:`STANDARD_COLUMN_TYPES`), else
+        dense float32 (one value per row). A ragged column gets, per row, one
+        zero per response token when it is a per-token column and the batch
+        holds ``response_ids``, else an empty sequence. Override for anything
+        else (a dense vector per row, other fill values).
+        """
         n = batch.num_rows
+        resp = batch.get(_RESPONSE_IDS)
         out: dict[str, Column] = {}
         for col in self.produces:
-            ragged_like = batch.get("response_ids")
-            if col in ("reward", "group_id") or not isinstance(ragged_like, RaggedTensor):
-                out[col] = torch.zeros(n, dtype=torch.float32)
+            kind, dtype = self.column_types.get(col) or STANDARD_COLUMN_TYPES.get(col) or ("dense", torch.float32)
+            if kind == "dense":
+                out[col] = torch.zeros(n, dtype=dtype)
+            elif col in _PER_RESPONSE_TOKEN and isinstance(resp, RaggedTensor):
+                out[col] = RaggedTensor(torch.zeros(resp.numel_packed, dtype=dtype), resp.offsets)
             else:
-                out[col] = RaggedTensor(torch.zeros(ragged_like.numel_packed, dtype=torch.float32),
-                                        ragged_like.offsets)
+                out[col] = RaggedTensor(torch.zeros(0, dtype=dtype), torch.zeros(n + 1, dtype=torch.int64))
         return out
 
     async def run(self) -> None:

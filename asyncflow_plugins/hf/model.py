@@ -8,13 +8,15 @@ toy run gets the same initial policy in every process that builds it.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncflow_core.config.hf import hf_config
 from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.errors import ConfigError, EngineError
+
+__all__ = ["DTYPES", "build_causal_lm", "hf_config", "vocab_size"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,27 +27,6 @@ def _transformers() -> Any:
     except ImportError as exc:  # pragma: no cover - transformers is a core dependency of these engines
         raise ConfigError("Hugging Face models need transformers: pip install transformers") from exc
     return transformers
-
-
-def hf_config(model: ModelConfig) -> Any:
-    """The ``transformers`` config object of ``model`` (read from the checkpoint or built from ``hf_config``)."""
-    tf = _transformers()
-    if model.path is not None:
-        path = Path(model.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path {model.path!r} is not a Hugging Face checkpoint directory (no config.json)")
-        return tf.AutoConfig.from_pretrained(str(path), trust_remote_code=model.trust_remote_code,
-                                             local_files_only=True)
-    if model.hf_config is None:
-        raise ConfigError("set model.path (a local checkpoint) or model.hf_config (an architecture to build)")
-    options = dict(model.hf_config)
-    model_type = options.pop("model_type", None)
-    if not model_type:
-        raise ConfigError("model.hf_config needs a model_type (e.g. qwen2 or llama)")
-    try:
-        return tf.AutoConfig.for_model(model_type, **options)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"model.hf_config: {exc}") from exc
 
 
 def build_causal_lm(model: ModelConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> torch.nn.Module:

@@ -30,6 +30,10 @@ engine object, on the CPU or one CUDA device. What it does, step by step:
   tensor names are the model's ``state_dict`` keys. All buckets are received
   and checked (checksum, version, name, shape, dtype, full coverage) before
   the first parameter is touched; then they are ``copy_``-ed in place.
+- **What ends a completion**: a token in the request's ``stop_token_ids``
+  (or the optional engine-wide ``eos_token_ids``), ``max_new_tokens``, or
+  the model's context. The model config's EOS counts only when the request
+  lists it (the runtime does, for the model's or the task's end token).
 - **The event loop stays free.** Every forward pass (and the weight copy)
   runs in a worker thread via :func:`asyncio.to_thread`; ``abort``,
   ``pause`` and ``update_weights`` act at step boundaries.
@@ -43,7 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,16 +96,28 @@ class TorchRolloutConfig(BaseModel):
         "(use the trainer's).",
     )
     max_batch: int = Field(64, ge=1, description="Most sequences decoded together; more requests wait for a free slot.")
-    eos_token_ids: list[int] | None = Field(
-        None,
-        description="Token ids that end every completion (finish reason stop); default: the model config's "
-        "eos_token_id; [] for none. Requests add their own stop_token_ids.",
+    eos_token_ids: list[int] = Field(
+        default_factory=list,
+        description="Token ids that end every completion besides each request's stop_token_ids; default none: "
+        "what ends a completion is the request's stop ids and max_new_tokens (the runtime lists the model's or "
+        "the task's end token there), never the model config's eos unasked.",
     )
     torch_threads: int | None = Field(
         None,
         ge=1,
         description="Set torch's CPU intra-op threads at start (process-wide); unset leaves torch's default.",
     )
+
+    def accepts_weights(self, model: ModelConfig, weights: Mapping[str, Sequence[int]]) -> None:
+        """``ValueError`` unless ``weights`` fit ``model``'s ``state_dict`` (names, shapes, full coverage).
+
+        The config-time twin of the checks ``update_weights`` runs on every
+        update, on the model built on the meta device: no weights are loaded.
+        """
+        from asyncflow_core.config.hf import meta_tensors
+        from asyncflow_core.config.pairing import check_against
+
+        check_against(ModelTensors.of(meta_tensors(model)), weights)
 
 
 @dataclass(eq=False)
@@ -204,24 +220,19 @@ class TorchRolloutEngine(RolloutEngine):
         self._vocab = int(net.get_output_embeddings().weight.shape[0])
         positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self._max_positions = int(positions) if positions else None
-        self._eos = self._eos_ids(cfg)
+        self._eos = self._eos_ids()
         self._keep_logits_arg = "logits_to_keep" in inspect.signature(net.forward).parameters
         self._params = dict(net.state_dict(keep_vars=True))
         self._gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
         self._net = net
         self._scheduler = asyncio.get_running_loop().create_task(self._schedule(), name="torch-rollout-scheduler")
 
-    def _eos_ids(self, cfg: Any) -> frozenset[int]:
+    def _eos_ids(self) -> frozenset[int]:
         explicit = self.config.eos_token_ids
-        if explicit is not None:
-            bad = [t for t in explicit if not 0 <= t < self._vocab]
-            if bad:
-                raise ConfigError(f"eos_token_ids {bad} are outside the model's vocabulary [0, {self._vocab})")
-            return frozenset(explicit)
-        default = getattr(cfg, "eos_token_id", None)
-        ids = [default] if isinstance(default, int) else list(default or [])
-        # a config's default eos may lie outside a small test vocabulary: such a token can never be sampled
-        return frozenset(t for t in ids if 0 <= t < self._vocab)
+        bad = [t for t in explicit if not 0 <= t < self._vocab]
+        if bad:
+            raise ConfigError(f"eos_token_ids {bad} are outside the model's vocabulary [0, {self._vocab})")
+        return frozenset(explicit)
 
     def _check_started(self) -> torch.nn.Module:
         if self._shut:

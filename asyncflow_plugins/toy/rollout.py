@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.errors import EngineError, UnsupportedFeatureError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
-from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
+from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, ModelTensors, WeightBucket
 from asyncflow_plugins.toy.policy import PARAM_NAME, initial_table, sampling_logprobs
 
 FEATURES = RolloutFeatures(
@@ -33,8 +33,14 @@ class ToyRolloutConfig(BaseModel):
     vocab_size: int = Field(16, ge=2, description="Vocabulary size of the bigram table.")
     seed: int = Field(0, description="Seed of the version-0 table (use the trainer's seed to start in sync).")
     init_scale: float = Field(1.0, ge=0, description="Std of the random version-0 logits.")
-    sampling_seed: int = Field(1, description="Seed of the engine's sampling generator.")
+    sampling_seed: int = Field(1, description="Seed of the engine's shared generator (requests without a seed).")
     max_batch: int = Field(256, ge=1, description="Requests decoded together in one step.")
+
+    def accepts_weights(self, model: object, weights: Mapping[str, Sequence[int]]) -> None:
+        """``ValueError`` unless ``weights`` is the bigram table this engine loads (the config-time pairing check)."""
+        from asyncflow_core.config.pairing import check_against
+
+        check_against(ModelTensors({PARAM_NAME: ((self.vocab_size, self.vocab_size), torch.float32)}), weights)
 
 
 @dataclass
@@ -45,10 +51,19 @@ class _Active:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     abort: bool = False
+    #: the request's own sampling generator when it carries ``SamplingParams.seed`` (else the engine's shared one):
+    #: its tokens then depend on the seed alone, not on which other requests share the call or the step
+    generator: torch.Generator | None = None
 
 
 class ToyRolloutEngine(RolloutEngine):
     """Decodes all of one ``generate`` call's requests in lock-step, one token per step.
+
+    A request with ``SamplingParams.seed`` samples from a generator of its
+    own (same seed and prompt: same tokens, whatever else is in flight);
+    the others share the engine's generator (``sampling_seed``). A request
+    the engine cannot serve (an empty prompt, a token outside the
+    vocabulary) comes back as its own ``error`` result.
 
     The event loop runs between steps, so ``abort``, ``pause`` and
     ``update_weights`` act at step boundaries — the safe point: no token is
@@ -95,20 +110,26 @@ class ToyRolloutEngine(RolloutEngine):
         if dupes:
             raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
         vocab = table.shape[0]
-        for r in requests:
-            bad = [t for t in (*r.prompt_token_ids, *r.prefix_token_ids) if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"request {r.request_id!r} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}; "
-                                 "raise vocab_size in rollout.options and trainer.options, or keep prompt tokens below it")
+        # a request the engine cannot serve is that request's ERROR result; the others of the call run on
+        refused = [(r, why) for r in requests if (why := self._problem(r, vocab)) is not None]
+        for r, why in refused:
+            yield GenerationResult(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=(),
+                                   logprobs=(), versions=(), finish_reason=FinishReason.ERROR, error=why,
+                                   metadata=r.metadata)
+        refused_ids = {r.request_id for r, _ in refused}
         await self._accepting.wait()
         mine = []
         for r in requests:
+            if r.request_id in refused_ids:
+                continue
+            seed = r.sampling.seed
             state = _Active(
                 r,
                 prev=(r.prefix_token_ids or r.prompt_token_ids)[-1],
                 tokens=list(r.prefix_token_ids),
                 logprobs=list(r.prefix_logprobs),
                 versions=list(r.prefix_versions),
+                generator=None if seed is None else torch.Generator().manual_seed(seed),
             )
             self._active[r.request_id] = state
             mine.append(state)
@@ -133,6 +154,17 @@ class ToyRolloutEngine(RolloutEngine):
             if not self._active:
                 self._idle.set()
 
+    @staticmethod
+    def _problem(r: GenerationRequest, vocab: int) -> str | None:
+        """Why request ``r`` cannot be served (its ERROR result says so), or None."""
+        if not r.prompt_token_ids and not r.prefix_token_ids:
+            return f"request {r.request_id!r} has an empty prompt; the toy engine needs a token to condition on"
+        bad = [t for t in (*r.prompt_token_ids, *r.prefix_token_ids) if not 0 <= t < vocab]
+        if bad:
+            return (f"request {r.request_id!r} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}; "
+                    "raise vocab_size in rollout.options and trainer.options, or keep prompt tokens below it")
+        return None
+
     def _step(self, states: list[_Active]) -> list[tuple[_Active, FinishReason]]:
         finished: list[tuple[_Active, FinishReason]] = []
         live = []
@@ -154,7 +186,14 @@ class ToyRolloutEngine(RolloutEngine):
             for (temp, top_p, top_k), members in groups.items():
                 prev = torch.tensor([s.prev for s in members])
                 logp = sampling_logprobs(self._table[prev], temp, top_p, top_k)
-                tokens = torch.multinomial(logp.exp(), 1, generator=self._gen).squeeze(1)
+                probs = logp.exp()
+                shared = [i for i, s in enumerate(members) if s.generator is None]
+                tokens = torch.empty(len(members), dtype=torch.int64)
+                if shared:  # unseeded requests: one draw from the engine's generator
+                    tokens[shared] = torch.multinomial(probs[shared], 1, generator=self._gen).squeeze(1)
+                for i, s in enumerate(members):  # seeded requests: each from its own generator
+                    if s.generator is not None:
+                        tokens[i] = torch.multinomial(probs[i], 1, generator=s.generator)[0]
                 picked = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
                 for s, tok, lp in zip(members, tokens.tolist(), picked.tolist(), strict=True):
                     s.tokens.append(tok)

@@ -31,6 +31,10 @@ class ToyTrainConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, description="Temperature of the log-prob convention (match the rollout's).")
     micro_batch_tokens: int = Field(4096, ge=1, description="Response-token budget of one micro-batch.")
 
+    def exported_weights(self, model: object = None) -> dict[str, tuple[int, ...]]:
+        """What ``export_weights`` sends: the bigram table (for ``asyncflow config validate``'s pairing check)."""
+        return {PARAM_NAME: (self.vocab_size, self.vocab_size)}
+
 
 def response_logprobs(table: torch.Tensor, prompt_ids: RaggedTensor, response_ids: RaggedTensor, temperature: float) -> RaggedTensor:
     """Log-probs of every response token given the previous token, vectorised over the packed batch."""

@@ -345,7 +345,7 @@ class RolloutEngineSpec(BackendSpec):
                 for r in results:
                     if r.request_id.startswith("no-stop"):
                         assert r.finish_reason is FinishReason.LENGTH and len(r.token_ids) == 8, (
-                            f"{r.request_id} has no stop ids but ended with {r.finish_reason.value} after "
+                            f"{r.request_id} has no stop ids but ended with {r.finish_reason.value}{_why(r)} after "
                             f"{len(r.token_ids)} of 8 tokens"
                         )
             finally:
@@ -607,7 +607,7 @@ class RolloutEngineSpec(BackendSpec):
                 results = await asyncio.wait_for(running, 60)
                 for r in results:
                     assert r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), (
-                        f"pause(WAIT) must let in-flight requests finish; {r.request_id} ended with "
+                        f"pause(WAIT) must let in-flight requests finish; {r.request_id}{_why(r)} ended with "
                         f"{r.finish_reason.value}"
                     )
                     self.check_result(reqs[r.request_id], r, limit)
@@ -637,7 +637,7 @@ class RolloutEngineSpec(BackendSpec):
             try:
                 (first,) = [r async for r in engine.generate([self.request("pre", max_new_tokens=2)])]
                 assert first.finish_reason is FinishReason.LENGTH, (
-                    f"a request without stop ids ended with {first.finish_reason.value} before max_new_tokens"
+                    f"a request without stop ids ended with {first.finish_reason.value}{_why(first)} before max_new_tokens"
                 )
                 prefix = tuple(int(t) for t in _values(first.token_ids))
                 resumed = dataclasses.replace(
@@ -931,6 +931,11 @@ class RolloutEngineSpec(BackendSpec):
             await engine.shutdown()
 
         self.run(body())
+
+
+def _why(result: GenerationResult) -> str:
+    """The engine's own reason for an error result, for an assertion message (empty otherwise)."""
+    return f" ({result.error})" if result.finish_reason is FinishReason.ERROR and result.error else ""
 
 
 def _values(seq: Any) -> list:
