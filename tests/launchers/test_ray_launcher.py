@@ -119,7 +119,7 @@ def test_killed_rollout_and_reward_actors_lose_and_duplicate_nothing(tmp_path, l
 
     async def track(launcher):
         ctx = await _runtime_ctx(launcher)
-        while True:
+        while not ctx.stop.is_set():  # wait_for returns at once once the run stops: no busy loop after that
             await ctx.wait_for(lambda: ctx.version > _version[0])
             _version[0] = ctx.version
 
