@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/sim_scaling.py [--devices 32,128,512,1024] [--modes sync,stream,one_step,async2,async4]
                                         [--steps 4] [--samples-per-device 16]
-                                        [--max-new-tokens 8192] [--json]
+                                        [--max-new-tokens 8192] [--payload lengths|tokens]
+                                        [--workers 1] [--json]
 
 Every run is the real flow runtime and the real in-process store driving the
 ``sim`` engines (docs/simulation.md) on the virtual-clock loop.
@@ -45,6 +46,10 @@ update could reach if it hid the shorter phase and changed nothing else.
 workload allows and the remaining gap to ``ideal`` is the rollout tail.
 
 ``--max-new-tokens`` changes the response cap (the tail) for every mode.
+``--payload`` picks what the sim rollout engines return: ``lengths`` (the
+default: zero-width token ids and log-probs, the same schedule) or
+``tokens`` (full token tensors through the store). ``--workers`` runs that
+many simulations at once (one process each); ``wall s`` is each run's own.
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ def ideal_samples_per_s(devices: int, samples: int, max_new: int = MAX_NEW) -> f
     return samples / best_split(devices, samples, saturated=True, max_new=max_new)[2]
 
 
-def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW) -> RunConfig:
+def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW,
+           payload: str = "lengths") -> RunConfig:
     async_mode, k = MODES[mode]
     samples = samples_per_device * devices
     prompts = samples // N
@@ -130,7 +136,8 @@ def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new
         "data": {"name": "sim", "options": {"size": prompts * (steps + k + 2), "prompt_tokens": PROMPT_TOKENS},
                  "prompts_per_step": prompts, "shuffle": False},
         "rollout": {"name": "sim", "replicas": replicas, "n": N, "max_new_tokens": max_new, "max_inflight": 256,
-                    "rows_per_lease": 256, "kv_cache": "keep"},
+                    "rows_per_lease": 256, "kv_cache": "keep",
+                    "options": {"payload": payload}},
         "trainer": {"name": "sim", "options": {"latency": {"devices": trainer_devices}}, "total_steps": steps},
         "store": {"name": "inprocess", "options": {"capacity": max(65536, (k + 3) * samples)}},
         "weight_transport": {"name": "sim"},
@@ -157,10 +164,11 @@ def measured_rate(step_end_s: list[float], warm: int, samples_per_step: int) -> 
     return measured * samples_per_step / (step_end_s[-1] - step_end_s[warm - 1])
 
 
-def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW) -> dict[str, Any]:
+def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW,
+            payload: str = "lengths") -> dict[str, Any]:
     """One mode at one size: ``steps`` measured steps after the mode's warm-up steps."""
     warm = warmup_steps(mode)
-    cfg = config(devices, mode, warm + steps, samples_per_device, max_new)
+    cfg = config(devices, mode, warm + steps, samples_per_device, max_new, payload)
     t0 = time.perf_counter()
     s = run_flow(resolve(cfg), virtual=True, write_png=False)
     wall = time.perf_counter() - t0
@@ -185,7 +193,15 @@ def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_ne
         "rollout_busy_s_per_step": (sum(rollout_busy) / max(1, len(rollout_busy))) * s["run_seconds"] / s["steps"],
         "train_busy_s_per_step": util.get("train", 0.0) * s["run_seconds"] / s["steps"],
         "wall_s": wall,
+        "payload": payload,
     }
+
+
+def _run_in_worker(args: tuple) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)  # one simulation per core
+    return run_one(*args)
 
 
 def _overlap_bound(stream: dict[str, Any] | None, samples_per_step: int) -> float | None:
@@ -212,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="measured steps after the warm-up (default: %(default)s)")
     p.add_argument("--samples-per-device", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="response cap (default: %(default)s)")
+    p.add_argument("--payload", choices=("lengths", "tokens"), default="lengths",
+                   help="what the sim rollout engines return (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=1, help="simulations at once, one process each")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--jsonl", type=Path, default=None,
                    help="also append each device count's rows to this file as they finish (long sweeps)")
@@ -223,10 +242,35 @@ def main(argv: list[str] | None = None) -> int:
     if a.max_new_tokens < 1 or a.steps < 1 or a.samples_per_device < N:
         p.error(f"need --max-new-tokens >= 1, --steps >= 1 and --samples-per-device >= {N} (one prompt of n = {N})")
     results: list[dict[str, Any]] = []
-    for devices in [int(d) for d in a.devices.split(",") if d]:
+    sizes = [int(d) for d in a.devices.split(",") if d]
+    for devices in sizes:
         if devices < 16 or devices % 8:
             p.error(f"--devices {devices}: use multiples of 8, at least 16 (the trainer takes whole 8-device nodes)")
-        rows = [run_one(devices, m, a.steps, a.samples_per_device, a.max_new_tokens) for m in modes]
+    t0 = time.perf_counter()
+    jobs = [(d, m, a.steps, a.samples_per_device, a.max_new_tokens, a.payload) for d in sizes for m in modes]
+    if a.workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = iter(pool.map(_run_in_worker, jobs))  # in order: each size's rows as they finish
+            by_size = ([next(done) for _ in modes] for _ in sizes)
+            _report(a, sizes, by_size, results)
+    else:
+        _report(a, sizes, ([run_one(*job) for job in jobs if job[0] == d] for d in sizes), results)
+    out = {"results": results, "steps": a.steps, "samples_per_device": a.samples_per_device, "n": N,
+           "max_new_tokens": a.max_new_tokens, "payload": a.payload, "workers": a.workers,
+           "sweep_wall_s": time.perf_counter() - t0}
+    if a.json:
+        print(json.dumps(out))
+    else:
+        _table(out)
+    return 0
+
+
+def _report(a: argparse.Namespace, sizes: list[int], by_size: Any, results: list[dict[str, Any]]) -> None:
+    """Add the sweep's comparisons to each size's rows (as each size finishes) and append them to --jsonl."""
+    for devices, rows in zip(sizes, by_size, strict=True):
         by = {r["mode"]: r for r in rows}
         samples_per_step = a.samples_per_device * devices
         ideal = ideal_samples_per_s(devices, samples_per_step, a.max_new_tokens)
@@ -245,16 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                     fh.write(json.dumps(r) + "\n")
         if not a.json:
             print(f"... {devices} devices done", file=sys.stderr)
-    out = {"results": results, "steps": a.steps, "samples_per_device": a.samples_per_device, "n": N,
-           "max_new_tokens": a.max_new_tokens}
-    if a.json:
-        print(json.dumps(out))
-    else:
-        _table(out)
-    return 0
 
 
 def _table(out: dict[str, Any]) -> None:
+    print(f"sweep: {out['sweep_wall_s']:.0f} s wall ({out['workers']} worker(s), payload {out['payload']})")
     head = ("devices", "mode", "k", "roll/train dev", "samples/s", "vs sync", "vs ideal", "vs overlap", "stale>k",
             "requeued", "wall s")
     print(" | ".join(head))

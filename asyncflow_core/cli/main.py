@@ -118,11 +118,20 @@ def config_validate(
     file: Annotated[Path, typer.Argument(help="YAML run config.")],
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.total_steps=100.")] = None,
 ) -> None:
-    """Check a config (and every plugin's options); exit 0 when valid, 2 with the reason when not."""
+    """Check a config, every plugin's options, and that the rollout engine accepts the trainer's weights.
+
+    Exit 0 when valid, 2 with the reason when not. The weights check builds
+    the model on the meta device (names and shapes, no weights loaded).
+    """
     from asyncflow_core.config import load_config, resolve
+    from asyncflow_core.config.pairing import check_weight_pairing
 
     resolved = resolve(load_config(file, overrides or []))
-    for section, why in resolved.unchecked.items():
+    unchecked = dict(resolved.unchecked)
+    why = check_weight_pairing(resolved)
+    if why is not None:
+        unchecked["weights pairing"] = why
+    for section, why in unchecked.items():
         err.print(f"note: {section} not checked: {why}")
     out.print(f"{file}: valid")
 
@@ -196,9 +205,21 @@ def sim_cmd(
     overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. trainer.total_steps=100.")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="Where metrics and traces go (default: logging.run_dir).")] = None,
     progress: Annotated[bool, typer.Option(help="Live progress display on a terminal.")] = True,
+    payload: Annotated[str | None, typer.Option(help="What the sim engines return: lengths (default) or tokens.")] = None,
+    calibrate: Annotated[list[Path] | None, typer.Option(
+        help="A real run's directory (repeatable: runs at two batch sizes fit more): fit the sim latency model "
+             "from their traces, then simulate FILE with it.")] = None,
 ) -> None:
     """Run a config on the virtual clock: the real runtime and store, time jumping to the next event."""
-    _run(file, overrides, run_dir, progress, virtual=True)
+    from asyncflow_core.cli.calibrate import sim_overrides
+
+    _run(file, sim_overrides(file, overrides or [], payload=payload, calibrate=calibrate or None), run_dir, progress,
+         virtual=True)
+
+
+from asyncflow_core.cli.plan import plan_cmd  # registered here, implemented there
+
+app.command("plan")(plan_cmd)
 
 
 @app.command("trace")
@@ -257,15 +278,9 @@ def spec_cmd(
     spec_class = SPEC_CLASSES.get(kind_)
     if spec_class is None:
         raise AsyncflowError(f"the conformance suite has no tests for {kind_.value} backends yet")
-    from asyncflow_core.config import parse_override
+    from asyncflow_core.config import apply_overrides
 
-    options: dict[str, Any] = {}
-    for text in option or []:
-        parts, value = parse_override(text)
-        node = options
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = value
+    options: dict[str, Any] = apply_overrides({}, option or [])
     pm.validate_options(kind_, plugin, options, where="--option")
     with tempfile.TemporaryDirectory(prefix="asyncflow-spec-") as tmp:
         module = Path(tmp) / f"test_spec_{kind_.value}.py"

@@ -60,8 +60,15 @@ def _drop_reason(mark: str) -> str:
 
 
 def _as_tuple(values: Sequence[Any] | torch.Tensor) -> tuple:
-    """A result field (sequence or 1-D tensor) as a tuple of Python numbers, without a per-element loop."""
-    return tuple(values.tolist()) if isinstance(values, torch.Tensor) else tuple(values)
+    """A result field (sequence or 1-D tensor) as a tuple of Python numbers, without a per-element loop.
+
+    Zero-width (lengths-only) values become that many empty entries: only their count means anything.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.dim() > 1 and 0 in values.shape[1:]:
+            return ((),) * values.shape[0]
+        return tuple(values.tolist())
+    return tuple(values)
 
 
 # ------------------------------------------------------------------------------------------- feeder
@@ -242,6 +249,10 @@ class RolloutStage(Stage):
         self._wake = asyncio.Event()  # dispatcher wake-up: slots freed, weights updated, version moved
         self._alive = len(self.replicas)
         self._inflight_total = 0
+        # (in flight - max_inflight, index) per replica, most free slots first: pushed whenever a replica's load
+        # changes, so a dispatch pops the few replicas it assigns to instead of sorting every replica (entries
+        # that no longer match the replica's load are skipped)
+        self._by_free = [(-max_inflight, i) for i in range(len(self.replicas))]
         self._last_death: str | None = None  #: the error of the replica that died last, for the stop message
         self.weights_pushed = False  #: a version is staged in the transport (a restarted replica must load it)
 
@@ -260,14 +271,27 @@ class RolloutStage(Stage):
         return (not r.dead and not r.updating and len(r.inflight) < self.max_inflight
                 and S.engine_may_start(r.engine.version, self.ctx.version, self.ctx.k))
 
-    def _free_slots(self) -> int:
-        return sum(self.max_inflight - len(r.inflight) for r in self.replicas if self._eligible(r))
+    def _free_slots(self, enough: int | None = None) -> int:
+        """Free slots of eligible replicas (counting stops once ``enough`` are found)."""
+        total = 0
+        for r in self.replicas:
+            if self._eligible(r):
+                total += self.max_inflight - len(r.inflight)
+                if enough is not None and total >= enough:
+                    break
+        return total
+
+    def _load_changed(self, r: Replica) -> None:
+        heapq.heappush(self._by_free, (len(r.inflight) - self.max_inflight, r.index))
+        if len(self._by_free) > 4 * len(self.replicas) + 1024:  # drop stale entries
+            self._by_free = [(len(q.inflight) - self.max_inflight, q.index) for q in self.replicas]
+            heapq.heapify(self._by_free)
 
     def _worth_leasing(self) -> bool:
-        """Cheap test first (counters, O(1) per wake-up), the exact O(replicas) count only when it may pass."""
+        """Cheap test first (counters, O(1) per wake-up), the exact count only when it may pass."""
         upper = self._alive * self.max_inflight - self._inflight_total - len(self._pending)
         want = min(self.rows_per_lease, max(1, self._alive * self.max_inflight // 8))
-        return upper >= want and self._free_slots() - len(self._pending) >= want
+        return upper >= want and self._free_slots(want + len(self._pending)) - len(self._pending) >= want
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -304,7 +328,8 @@ class RolloutStage(Stage):
                     return
                 if ctx.stop.is_set():
                     return
-                want = min(self.rows_per_lease, self._free_slots() - len(self._pending))
+                want = min(self.rows_per_lease,
+                           self._free_slots(self.rows_per_lease + len(self._pending)) - len(self._pending))
                 meta = await ctx.store.get_meta(self.name, self.consumes, want, partial=True,
                                                 lease_s=self.lease_s, consumer=self.name)
                 if meta.end_of_stream:
@@ -327,25 +352,40 @@ class RolloutStage(Stage):
     def _all_dead(self) -> bool:
         return all(r.dead and not r.reviving for r in self.replicas)
 
+    def _next_replica(self, aside: list[tuple[int, int]]) -> Replica | None:
+        """The eligible replica with the most free slots (lowest index on ties), or None; ineligible replicas
+        with free slots are put ``aside`` (they go back after the dispatch)."""
+        heap = self._by_free
+        while heap:
+            neg_free, idx = heap[0]
+            r = self.replicas[idx]
+            if neg_free != len(r.inflight) - self.max_inflight or neg_free >= 0 or r.dead:
+                heapq.heappop(heap)  # stale, full or dead: a change of load (or a restart) pushes a new entry
+            elif not self._eligible(r):
+                aside.append(heapq.heappop(heap))
+            else:
+                return r
+        return None
+
     def _dispatch(self) -> None:
         """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
         if not self._pending:
             return
-        heap = [(len(r.inflight) - self.max_inflight, r.index) for r in self.replicas if self._eligible(r)]
-        heapq.heapify(heap)
         per: dict[int, list[_Req]] = {}
         assigned = 0
+        aside: list[tuple[int, int]] = []
         for req in self._pending:
-            if not heap:
+            r = self._next_replica(aside)
+            if r is None:
                 break
-            neg_free, idx = heapq.heappop(heap)
-            r = self.replicas[idx]
-            req.start_version = min([r.engine.version, *req.prefix_versions])
+            idx = r.index
+            req.start_version = min(r.engine.version, min(req.prefix_versions, default=r.engine.version))
             r.inflight[req.request_id] = req
+            self._load_changed(r)
             per.setdefault(idx, []).append(req)
             assigned += 1
-            if neg_free + 1 < 0:
-                heapq.heappush(heap, (neg_free + 1, idx))
+        for entry in aside:
+            heapq.heappush(self._by_free, entry)
         self._pending = self._pending[assigned:]
         self._inflight_total += assigned
         for idx, reqs in per.items():
@@ -382,6 +422,7 @@ class RolloutStage(Stage):
                    + ". Every request must yield exactly one result with its own request_id")
             for q in orphans:
                 del r.inflight[q.request_id]
+                self._load_changed(r)
                 self._inflight_total -= 1
                 self.ctx.fail_rows(self.name, [q.row], why)
                 await self._write(q, None)
@@ -398,6 +439,7 @@ class RolloutStage(Stage):
         orphans = list(r.inflight.values())
         self._inflight_total -= len(orphans)
         r.inflight.clear()
+        self._load_changed(r)
         self._mark_busy(r)
         self.ctx.counters["replicas_died"] += 1
         self.ctx.counters["requeued_engine_death"] += len(orphans)
@@ -442,6 +484,7 @@ class RolloutStage(Stage):
                           type(exc).__name__, exc)
         r.reviving = False
         r.dead = False
+        self._load_changed(r)
         self._alive += 1
         ctx.counters["replicas_restarted"] += 1
         log.warning("rollout replica %d restarted at version %d", r.index, r.engine.version)
@@ -455,6 +498,7 @@ class RolloutStage(Stage):
         self._mark_busy(r)
         if req is None:
             return  # a request we already gave up on
+        self._load_changed(r)
         self._inflight_total -= 1
         if res.finish_reason is FinishReason.ERROR:
             ctx.fail_rows(self.name, [req.row], res.error or "engine error")
@@ -527,7 +571,10 @@ class RolloutStage(Stage):
                 continue
             ids.append(torch.as_tensor(res.token_ids, dtype=torch.int64))
             lps.append(torch.as_tensor(res.logprobs, dtype=torch.float32))
-            vers.append(torch.as_tensor(res.versions, dtype=torch.int64))
+            # versions are stored at the width of the token ids: lengths-only (zero-width) ids of a simulated
+            # engine get lengths-only versions (the row's version range is put beside them, below)
+            v = torch.as_tensor(res.versions, dtype=torch.int64)
+            vers.append(v if ids[-1].dim() == 1 else v.new_empty((v.shape[0], *ids[-1].shape[1:])))
             lengths.append(len(res.token_ids))
             lo = res.min_version if res.min_version is not None else self.ctx.version
             hi = res.max_version if res.max_version is not None else self.ctx.version
@@ -574,6 +621,7 @@ class RolloutStage(Stage):
             ctx.counters["weight_updates"] += 1
             self._dispatch()
             self._poke()
+            await ctx.notify()  # waiters on a replica's version (the weights canary) look again
 
     async def _update(self, r: Replica, *, min_version: int | None = None) -> None:
         """Pull the newest staged version (``min_version``: default the replica's next) into replica ``r``."""
@@ -843,6 +891,7 @@ class TrainStage(Stage):
         self.engine_lock = asyncio.Lock()  #: held for every trainer call (shared with the `old` log-prob stage)
         self.checkpoint_every = 0
         self.staleness_hist: Counter[int] = Counter()
+        self.canary: Any = None  #: a :class:`~asyncflow_core.flow.canary.Canary` checking the replicas' weights, or None
 
     async def run(self) -> None:
         ctx = self.ctx
@@ -883,6 +932,9 @@ class TrainStage(Stage):
             if bool((lag > ctx.k).any()):
                 raise AssertionError(f"staleness violated: lag {int(lag.max())} > k={ctx.k} at step {v}")
             self.staleness_hist.update(lag.tolist())
+            if self.canary is not None:  # its check of version v must finish while the trainer still holds v
+                with ctx.timeline.span(self.name, "canary"):
+                    await self.canary.before_step(v)
             if self.colocated and self.rollout is not None:
                 with ctx.timeline.span(self.name, "sleep"):
                     await self.rollout.sleep_all()
@@ -915,6 +967,8 @@ class TrainStage(Stage):
                 with ctx.timeline.span(self.name, "wake"):
                     await self.rollout.wake_all()
             await ctx.notify()
+            if self.canary is not None:
+                self.canary.published(self.engine.version, train_batch)
             await self.on_step(v, t_begin, train_batch, metrics, report, lag)
             if self.checkpoint is not None and (self.engine.version % self.checkpoint_every == 0
                                                 or self.engine.version >= self.total_steps):

@@ -20,6 +20,7 @@ Public methods (stable):
 - ``ack(lease_id, now=None) -> int`` / ``release(lease_id, now=None) -> int``
 - ``expire(now) -> tuple[list[int], float | None]``  (expired lease ids, next deadline)
 - ``next_deadline() -> float | None``
+- ``any_ready(row_ids, columns) -> bool``  (after a write: can a blocked lease of ``columns`` now succeed?)
 - ``declare_dead(consumer) -> int``
 - ``end_stream(partition=None)`` / ``stream_ended(partition=None) -> bool``
 - ``gc(row_ids=None) -> Tensor``  (dropped row ids, for storage to free)
@@ -40,6 +41,7 @@ O(rows acknowledged) and compaction is amortised.
 from __future__ import annotations
 
 import collections
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -176,6 +178,7 @@ class Controller:
         self._ended: set[str] = set()
         self._ended_all = False
         self._leases: dict[int, _Lease] = {}
+        self._deadlines: list[tuple[float, int]] = []  #: heap of (deadline, lease id); stale entries skipped lazily
         self._finished: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._dp_rounds: dict[tuple, list[_DPRound]] = {}
         self._next_row_id = 0
@@ -393,6 +396,20 @@ class Controller:
             self._maxv[slots] = torch.maximum(cur_max, v[:, 1])
         if tok is not None:
             self._tokens[slots] = tok
+
+    def any_ready(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str]) -> bool:
+        """Whether some live row of ``row_ids`` has every one of ``columns`` ready (cheap: the rows only).
+
+        Deployments use it after a write to wake only the blocked leases the
+        write can satisfy, instead of rescanning every row for every waiter.
+        """
+        slots = self._slots(row_ids, missing="drop")
+        if slots.numel() == 0:
+            return False
+        ok = torch.ones(slots.numel(), dtype=torch.bool)
+        for w, need in self._need_masks(columns):
+            ok &= (self._ready[slots, w] & need) == need
+        return bool(ok.any())
 
     # ------------------------------------------------------------------ leasing
 
@@ -654,6 +671,7 @@ class Controller:
         row_ids = cands.row_ids[pos]
         deadline = now + lease_s
         self._leases[lid] = _Lease(task, row_ids, columns, deadline, consumer, lease_s, reserved)
+        self._push_deadline(deadline, lid)
         self._counters["leases_granted"] += 1
         return self._meta(lid, self._leases[lid], slots, dp_rank)
 
@@ -694,6 +712,7 @@ class Controller:
         lease = self._leases[found]
         lease.consumer, lease.reserved = consumer, False
         lease.deadline, lease.lease_s = now + lease_s, lease_s
+        self._push_deadline(lease.deadline, found)
         slots = self._slots(lease.row_ids, missing="drop")
         if slots.numel() != lease.row_ids.numel():  # some rows were cleared meanwhile
             lease.row_ids = self._row_id[slots]
@@ -761,7 +780,9 @@ class Controller:
 
     def expire(self, now: float) -> tuple[list[int], float | None]:
         """Free every lease whose deadline is ``<= now``; returns (expired lease ids, earliest remaining deadline)."""
-        expired = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
+        expired = []
+        while (first := self.next_deadline()) is not None and first <= now:
+            expired.append(heapq.heappop(self._deadlines)[1])
         for lid in expired:
             self._finish(lid, "expired", FREE)
         self._counters["leases_expired"] += len(expired)
@@ -769,7 +790,20 @@ class Controller:
 
     def next_deadline(self) -> float | None:
         """Earliest deadline of an outstanding lease (None if none): when waiters should wake to expire it."""
-        return min((lease.deadline for lease in self._leases.values()), default=None)
+        heap = self._deadlines
+        while heap:  # O(log leases) per call: every store call asks, and thousands of leases may be outstanding
+            deadline, lid = heap[0]
+            lease = self._leases.get(lid)
+            if lease is not None and lease.deadline == deadline:
+                return deadline
+            heapq.heappop(heap)  # acknowledged, released, expired or re-dated since it was pushed
+        return None
+
+    def _push_deadline(self, deadline: float, lease_id: int) -> None:
+        heapq.heappush(self._deadlines, (deadline, lease_id))
+        if len(self._deadlines) > 4 * len(self._leases) + 1024:  # drop the stale entries that never reached the top
+            self._deadlines = [(lease.deadline, lid) for lid, lease in self._leases.items()]
+            heapq.heapify(self._deadlines)
 
     def declare_dead(self, consumer: str) -> int:
         """Free every lease held by ``consumer``; returns the number of rows freed."""

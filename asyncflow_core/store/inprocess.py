@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -53,28 +53,73 @@ class InProcessStoreConfig(StoreOptions):
     )
 
 
+#: what a put blocked on capacity waits for (rows collected); see :class:`_Waiters`
+_CAPACITY = "<capacity>"
+
+
+def _task_event(task: str | None) -> str:
+    """What a get_meta of ``task`` waits for besides its columns: rows of the task freed (release, expiry) or done."""
+    return f"<task {task}>"
+
+
 class _Waiters:
-    """Futures of blocked calls, each on its own loop; woken thread-safely."""
+    """Futures of blocked calls, each on its own loop and with what can unblock it; woken thread-safely.
+
+    A waiter names what it waits for: events (its task's rows freed,
+    capacity) and, for a lease, the columns a row needs. A change wakes only
+    the waiters it can unblock — one of their events, or a write after which
+    some written row has every column they need — so a store with many
+    streaming stages does not retry every blocked lease on every write (each
+    retry scans the rows). ``None`` (wait or wake) means everything.
+    """
 
     def __init__(self) -> None:
-        self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, frozenset[str] | None,
+                                frozenset[str]]] = []
 
-    def add(self) -> asyncio.Future:
+    def add(self, events: frozenset[str] | None = None, columns: frozenset[str] = frozenset()) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._items.append((loop, fut))
+        self._items.append((loop, fut, events, columns))
         return fut
 
     def discard(self, fut: asyncio.Future) -> None:
-        self._items = [(lp, f) for lp, f in self._items if f is not fut]
+        self._items = [item for item in self._items if item[1] is not fut]
+
+    def wake(self, events: Collection[str] | None,
+             written: tuple[Collection[str], Callable[[frozenset[str]], bool]] | None = None) -> None:
+        """Wake the waiters for any of ``events`` (every waiter when None) and, with ``written`` = (the columns
+        a put wrote, whether a written row now has all of a set of columns), the leases it satisfies."""
+        if events is None:
+            self.wake_all()
+            return
+        answers: dict[frozenset[str], bool] = {}
+
+        def satisfied(columns: frozenset[str]) -> bool:
+            if written is None or columns.isdisjoint(written[0]):
+                return False
+            if columns not in answers:
+                answers[columns] = written[1](columns)
+            return answers[columns]
+
+        woken, kept = [], []
+        for item in self._items:
+            hit = item[2] is None or not item[2].isdisjoint(events) or satisfied(item[3])
+            (woken if hit else kept).append(item)
+        self._items = kept
+        _resolve_all(woken, None)
 
     def wake_all(self, exc: BaseException | None = None) -> None:
         items, self._items = self._items, []
-        for loop, fut in items:
-            try:
-                loop.call_soon_threadsafe(_resolve, fut, exc)
-            except RuntimeError:  # that loop is closed: nobody is waiting there any more
-                pass
+        _resolve_all(items, exc)
+
+
+def _resolve_all(items: list, exc: BaseException | None) -> None:
+    for loop, fut, *_ in items:
+        try:
+            loop.call_soon_threadsafe(_resolve, fut, exc)
+        except RuntimeError:  # that loop is closed: nobody is waiting there any more
+            pass
 
 
 def _resolve(fut: asyncio.Future, exc: BaseException | None) -> None:
@@ -130,19 +175,40 @@ class InProcessStore(StreamStore):
         if expired:
             self._waiters.wake_all()
 
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run a state change under the lock, then wake waiters (something they wait for may have changed)."""
+    def _call(self, fn: Callable[[], T], wakes: Collection[str] | None = None,
+              written: Collection[str] = ()) -> T:
+        """Run a state change under the lock, then wake the waiters for ``wakes`` and for the rows ``fn``
+        returned ``written`` (None, or when ``fn`` raised: every waiter, since a failed call may still have
+        changed something, e.g. expired a lease)."""
         with self._lock:
             self._check_open()
+            ok = False
+            result = None
             try:
                 self._expire_locked()
-                return fn()
+                result = fn()
+                ok = True
+                return result
             finally:
-                self._waiters.wake_all()
+                self._waiters.wake(wakes if ok else None, self._written(result, written) if ok else None)
 
-    async def _block(self, attempt: Callable[[], T | None], timeout: float | None, what: str) -> T:
-        """Retry ``attempt`` (under the lock) until it returns non-None, waking only when notified,
-        at the earliest lease deadline, or at ``timeout``."""
+    def _written(self, meta: Any, columns: Collection[str]) -> tuple[Collection[str], Callable] | None:
+        """What a put of ``columns`` to ``meta``'s rows can unblock (see :meth:`_Waiters.wake`); call under the lock."""
+        if not columns or not isinstance(meta, BatchMeta):
+            return None
+        ids = meta.row_ids
+        return columns, lambda need: self.controller.any_ready(ids, need)
+
+    def _lease_task(self, meta: BatchMeta) -> str | None:
+        info = self.controller.lease_info(meta.lease_id) if isinstance(meta.lease_id, int) else None
+        return None if info is None else info["task"]
+
+    async def _block(self, attempt: Callable[[], T | None], timeout: float | None, what: str,
+                     waits_for: frozenset[str] | None = None, columns: frozenset[str] = frozenset(),
+                     wakes: Collection[str] | None = None, written: Collection[str] = ()) -> T:
+        """Retry ``attempt`` (under the lock) until it returns non-None, waking only when notified of one of
+        ``waits_for`` (None: any change) or of rows with every one of ``columns`` ready, at the earliest lease
+        deadline, or at ``timeout``; success wakes the waiters for ``wakes`` and for ``written`` columns."""
         if timeout is not None and timeout < 0:
             raise InvalidRequestError(f"timeout must be >= 0 or None, got {timeout}")
         loop = asyncio.get_running_loop()
@@ -153,14 +219,14 @@ class InProcessStore(StreamStore):
                 self._expire_locked()
                 result = attempt()
                 if result is not None:
-                    self._waiters.wake_all()
+                    self._waiters.wake(wakes, self._written(result, written))
                     return result
                 if give_up is not None and loop.time() >= give_up:
                     raise StoreTimeoutError(
                         f"{what} did not complete within {timeout}s; raise the timeout, or check that a producer "
                         "is writing the columns asked for (and that consumers acknowledge rows)"
                     )
-                fut = self._waiters.add()
+                fut = self._waiters.add(waits_for, columns)
                 next_deadline = self.controller.next_deadline()
             delay = None if give_up is None else max(0.0, give_up - loop.time())
             if next_deadline is not None:
@@ -215,7 +281,7 @@ class InProcessStore(StreamStore):
                 self.controller.mark_ready(ids, names, v, self._num_tokens(ids, cols))
                 return BatchMeta(row_ids=ids.clone(), columns=names, extra={"partition": partition})
 
-            return self._call(write_existing)
+            return self._call(write_existing, wakes=(), written=names)
         if not cols:
             raise InvalidRequestError("put of new rows needs at least one column (the columns say how many rows)")
         first = next(iter(cols.values()))
@@ -237,7 +303,8 @@ class InProcessStore(StreamStore):
             gids = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.int64).reshape(-1)
             return BatchMeta(row_ids=ids, columns=names, group_ids=gids, extra={"partition": partition})
 
-        return await self._block(attempt, timeout, f"put of {n} rows (waiting for capacity)")
+        return await self._block(attempt, timeout, f"put of {n} rows (waiting for capacity)",
+                                 waits_for=frozenset({_CAPACITY}), wakes=(), written=names)
 
     async def get_meta(
         self,
@@ -266,7 +333,11 @@ class InProcessStore(StreamStore):
                 dp_rank, dp_size, self._clock(),
             )
 
-        return await self._block(attempt, timeout, f"get_meta({task!r}, {list(columns)}, batch_size={batch_size})")
+        # rows become leasable for the task when a column it needs is written or its rows are freed; a lease
+        # wakes the task's other waiters (data-parallel ranks claim parts reserved for them)
+        mine = _task_event(task)
+        return await self._block(attempt, timeout, f"get_meta({task!r}, {list(columns)}, batch_size={batch_size})",
+                                 waits_for=frozenset((mine,)), columns=frozenset(columns), wakes=(mine,))
 
     async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         names = tuple(meta.columns if columns is None else columns)
@@ -278,16 +349,26 @@ class InProcessStore(StreamStore):
         if meta.lease_id is None:
             raise LeaseError("this meta holds no lease (put() returns rows, not leases); ack what get_meta() returned")
 
+        wakes: list[str] = []
+
         def do() -> None:
+            # collected rows free capacity; the task's own waiters may now see the end of the stream
+            wakes.extend((_CAPACITY, _task_event(self._lease_task(meta))))
             self.controller.ack(meta.lease_id, now=self._clock())
             self.storage.free(self.controller.gc(meta.row_ids))
 
-        self._call(do)
+        self._call(do, wakes=wakes)
 
     async def release(self, meta: BatchMeta) -> None:
         if meta.lease_id is None:
             raise LeaseError("this meta holds no lease (put() returns rows, not leases); release what get_meta() returned")
-        self._call(lambda: self.controller.release(meta.lease_id, now=self._clock()))
+        wakes: list[str] = []
+
+        def do() -> None:
+            wakes.append(_task_event(self._lease_task(meta)))
+            self.controller.release(meta.lease_id, now=self._clock())
+
+        self._call(do, wakes=wakes)
 
     async def declare_dead(self, consumer: str) -> int:
         return self._call(lambda: self.controller.declare_dead(consumer))

@@ -138,13 +138,24 @@ class StorageUnit:
                     "give every column one value (or sequence) per row"
                 )
             want = self._schema.get(name)
-            if want is not None and want != got:
+            if want is not None and want != got and not self._reshapes(name, want, got, col):
                 raise ColumnTypeError(
                     f"column {name!r} was first written as {want.describe()}, this write is {got.describe()}; "
                     f"convert it (e.g. .to({want.dtype})) or use another column name"
                 )
             if got.ragged and col.values.dim() == 0:  # type: ignore[union-attr]
                 raise ColumnTypeError(f"ragged column {name!r} needs values with a token axis")
+
+    def _reshapes(self, name: str, want: ColumnSchema, got: ColumnSchema, col: Column) -> bool:
+        """A ragged write that differs from the schema only in trailing shape, allowed when it carries no values
+        (e.g. placeholders for failed rows beside zero-width, lengths-only sequences) or when the column holds
+        no values yet (its first rows were such placeholders): the write then fixes the trailing shape."""
+        if not (want.ragged and got.ragged and want.dtype == got.dtype):
+            return False
+        if col.numel_packed == 0:  # type: ignore[union-attr]
+            return True
+        store = self._cols.get(name)
+        return isinstance(store, _Ragged) and store.used == store.garbage
 
     # ------------------------------------------------------------------ row table
 
@@ -212,6 +223,10 @@ class StorageUnit:
             if name not in self._schema:
                 self._schema[name] = _schema_of(col)
                 self._cols[name] = self._new_col(self._schema[name])
+            elif isinstance(col, RaggedTensor) and col.numel_packed and self._schema[name] != _schema_of(col):
+                self._schema[name] = _schema_of(col)  # validated: the column held no values (see _reshapes)
+                store = self._cols[name]
+                store.values = store.values.new_zeros((store.values.shape[0], *col.values.shape[1:]))  # type: ignore[union-attr]
         pos = self._ensure(ids)
         newly = int((~self._known[pos]).sum())
         self._known[pos] = True
@@ -232,7 +247,8 @@ class StorageUnit:
         total = col.numel_packed
         if store.used + total > store.values.shape[0]:
             self._compact_arena(store, extra=total)
-        store.values[store.used : store.used + total] = col.values.to(self.device)
+        if total and not _zero_width(store.values):  # lengths-only values: only the offsets are kept
+            store.values[store.used : store.used + total] = col.values.to(self.device)
         store.start[pos] = store.used + col.offsets[:-1]
         store.length[pos] = col.lengths
         store.used += total
@@ -249,9 +265,10 @@ class StorageUnit:
         pos = pos[torch.argsort(store.start[pos])]
         starts, lens = store.start[pos], store.length[pos]
         new_starts = torch.cumsum(lens, 0) - lens
-        gather = _segment_index(starts, lens)
-        values = torch.zeros((new_cap, *store.values.shape[1:]), dtype=store.values.dtype, device=self.device)
-        values[:live] = store.values[gather.to(self.device)]
+        # uninitialised: every slot below ``live`` is written next, and nothing reads past ``used``
+        values = torch.empty((new_cap, *store.values.shape[1:]), dtype=store.values.dtype, device=self.device)
+        if not _zero_width(values):  # zero-width values have nothing to move
+            _pack_segments(store.values, values, starts, lens)
         store.values = values
         store.start[pos] = new_starts
         store.used, store.garbage = live, 0
@@ -396,6 +413,35 @@ class StorageUnit:
 _SLICE_GATHER_MIN_MEAN = 32
 
 
+def _pack_segments(src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Copy segments ``src[starts[i] : starts[i] + lengths[i]]`` (sorted by start) back to back to the front of ``dst``.
+
+    Touching segments are merged into runs first (rows written by one put lie
+    together), so the copy is one slice per run at memory speed; short
+    segments go through one vectorised per-element gather instead.
+    """
+    total = int(lengths.sum())
+    if total == 0:
+        return
+    if total < _SLICE_GATHER_MIN_MEAN * lengths.numel():
+        dst[:total] = src[_segment_index(starts, lengths).to(src.device)]
+        return
+    ends = starts + lengths
+    head = torch.ones(starts.numel(), dtype=torch.bool)
+    head[1:] = starts[1:] != ends[:-1]
+    first = head.nonzero().squeeze(1)
+    last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
+    out = 0
+    for a, b in zip(starts[first].tolist(), ends[last].tolist(), strict=True):
+        dst[out : out + b - a] = src[a:b]
+        out += b - a
+
+
+def _zero_width(values: torch.Tensor) -> bool:
+    """Values whose trailing shape holds no elements (e.g. ``[tokens, 0]``): a lengths-only ragged column."""
+    return values.dim() > 1 and 0 in values.shape[1:]
+
+
 def _segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Positions ``starts[i] .. starts[i] + lengths[i]`` for every segment, concatenated (vectorised)."""
     total = int(lengths.sum())
@@ -411,7 +457,9 @@ def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device) -> R
     offsets = torch.zeros(pos.numel() + 1, dtype=torch.int64)
     torch.cumsum(lens, 0, out=offsets[1:])
     total = int(offsets[-1])
-    if pos.numel() and bool((starts[1:] == starts[:-1] + lens[:-1]).all()):
+    if _zero_width(store.values):  # lengths-only values: the offsets are the whole column
+        values = store.values.new_empty((total, *store.values.shape[1:]))
+    elif pos.numel() and bool((starts[1:] == starts[:-1] + lens[:-1]).all()):
         s0 = int(starts[0])  # rows written together: one slice instead of a gather
         values = store.values[s0 : s0 + total].clone()
     elif pos.numel() and total >= _SLICE_GATHER_MIN_MEAN * pos.numel():

@@ -19,11 +19,12 @@ import heapq
 import math
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncflow_core.errors import EngineError, UnsupportedFeatureError, WeightTransferError
+from asyncflow_core.errors import EngineError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
 from asyncflow_plugins.sim.latency import ResponseLengths, RolloutLatency
@@ -57,6 +58,12 @@ class SimRolloutConfig(BaseModel):
     vocab_size: int = Field(32000, ge=2, description="Token ids are drawn below this.")
     time_scale: float = Field(
         1.0, gt=0, description="Loop seconds per modelled second; < 1 makes runs on a real event loop fast (tests)."
+    )
+    payload: Literal["tokens", "lengths"] = Field(
+        "tokens",
+        description="What results carry: tokens (token ids and log-probs, for testing the store and trainers) or "
+        "lengths (zero-width token ids and log-probs, real per-token versions; the same schedule, far less work at "
+        "scale; asyncflow sim's default).",
     )
 
 
@@ -134,6 +141,7 @@ class SimRolloutEngine(RolloutEngine):
         self._shut = False
         self._failure: BaseException | None = None
         self._tokens: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self._stamps: dict[int, torch.Tensor] = {}
 
     # -- properties -------------------------------------------------------------
     @property
@@ -219,7 +227,9 @@ class SimRolloutEngine(RolloutEngine):
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
         self._check_started()
         ids = [r.request_id for r in requests]
-        dupes = {i for i, n in collections.Counter(ids).items() if n > 1} | (set(ids) & set(self._inflight))
+        dupes = {i for i in ids if i in self._inflight}
+        if len(set(ids)) < len(ids):
+            dupes |= {i for i, n in collections.Counter(ids).items() if n > 1}
         if dupes:
             raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
         if self._asleep:
@@ -228,7 +238,7 @@ class SimRolloutEngine(RolloutEngine):
         if not self._accepting.is_set():  # paused: wait for resume (no await on the fast path)
             await self._accepting.wait()
             self._check_started()
-            dupes = set(ids) & set(self._inflight)
+            dupes = {i for i in ids if i in self._inflight}
             if dupes:
                 raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -253,7 +263,11 @@ class SimRolloutEngine(RolloutEngine):
 
     def _submit(self, request: GenerationRequest, owner: asyncio.Queue) -> _Seq:
         c = self.config
-        u, offset = request_uniform(c.seed, request.request_id)
+        # a seeded request draws from its seed and prompt (same seed and prompt, same tokens and length, in any
+        # call), others from their id
+        seed = request.sampling.seed
+        key = request.request_id if seed is None else f"\x01seed:{seed}:{','.join(map(str, request.prompt_token_ids))}"
+        u, offset = request_uniform(c.seed, key)
         prefix_len = len(request.prefix_token_ids)
         cap = request.sampling.max_new_tokens
         fixed = request.metadata.get(LENGTH_METADATA_KEY)
@@ -269,7 +283,12 @@ class SimRolloutEngine(RolloutEngine):
         self._inflight[request.request_id] = seq
         assert self._idle is not None
         self._idle.clear()
-        if target <= prefix_len:  # nothing left to generate
+        prompt = request.prompt_token_ids
+        if prompt and (min(prompt) < 0 or max(prompt) >= c.vocab_size):
+            bad = [t for t in prompt if not 0 <= t < c.vocab_size][:5]
+            self._finish(seq, 0, error=f"prompt token ids {bad} are outside the vocabulary of {c.vocab_size} "
+                                       "(vocab_size of the sim engine)")
+        elif target <= prefix_len:  # nothing left to generate
             self._finish(seq, 0)
         elif seq.reserve > self._lat.kv_capacity_tokens:
             self._finish(
@@ -317,16 +336,19 @@ class SimRolloutEngine(RolloutEngine):
         """
         r = seq.request
         start = seq.offset + seq.prefix_len
+        lengths_only = self.config.payload == "lengths"
         ids: list[torch.Tensor] = []
         lps: list[torch.Tensor] = []
         vers: list[torch.Tensor] = []
         if seq.prefix_len:  # a resumed request: its earlier tokens come first
-            ids.append(torch.as_tensor(r.prefix_token_ids, dtype=torch.int64))
-            lps.append(torch.as_tensor(r.prefix_logprobs, dtype=torch.float32))
             vers.append(torch.as_tensor(r.prefix_versions, dtype=torch.int64))
+            if not lengths_only:
+                ids.append(torch.as_tensor(r.prefix_token_ids, dtype=torch.int64))
+                lps.append(torch.as_tensor(r.prefix_logprobs, dtype=torch.float32))
         if new:
             c = self.config
-            ids.append(cyclic_slice(self._tokens, start, new))
+            if not lengths_only:
+                ids.append(cyclic_slice(self._tokens, start, new))
             first, last = seq.admit_step + 1, seq.admit_step + new
             i = bisect.bisect_right(self._log_steps, first) - 1
             done = 0
@@ -334,20 +356,37 @@ class SimRolloutEngine(RolloutEngine):
                 run_end = self._log_steps[i + 1] - 1 if i + 1 < len(self._log_steps) else last
                 count = min(run_end, last) - (first + done) + 1
                 v = self._log_versions[i]
-                vers.append(torch.full((count,), v, dtype=torch.int64))
-                lps.append(cyclic_slice(logprob_buffer(c.policy_seed, c.vocab_size, v), start + done, count))
+                if lengths_only:  # a stride-0 view: one int64 whatever the length
+                    vers.append(self._stamp(v).expand(count))
+                else:
+                    vers.append(torch.full((count,), v, dtype=torch.int64))
+                    lps.append(cyclic_slice(logprob_buffer(c.policy_seed, c.vocab_size, v), start + done, count))
                 done += count
                 i += 1
+        if lengths_only:
+            total = seq.prefix_len + new
+            # zero-width values: the ragged columns they land in keep offsets (the lengths) and no data
+            token_ids = _NO_IDS.expand(total, 0)
+            logprobs = _NO_LOGPROBS.expand(total, 0)
+        else:
+            token_ids, logprobs = _join(ids, torch.int64), _join(lps, torch.float32)
         return GenerationResult(
             request_id=r.request_id,
             prompt_token_ids=r.prompt_token_ids,
-            token_ids=_join(ids, torch.int64),
-            logprobs=_join(lps, torch.float32),
+            token_ids=token_ids,
+            logprobs=logprobs,
             versions=_join(vers, torch.int64),
             finish_reason=reason,
             error=error,
             metadata=r.metadata,
         )
+
+    def _stamp(self, version: int) -> torch.Tensor:
+        """A one-element int64 tensor holding ``version`` (cached: lengths-only results expand it)."""
+        stamp = self._stamps.get(version)
+        if stamp is None:
+            stamp = self._stamps[version] = torch.tensor([version], dtype=torch.int64)
+        return stamp
 
     # -- abort / pause / resume -------------------------------------------------------
     def _mark_abort(self, seq: _Seq) -> None:
@@ -598,6 +637,11 @@ class SimRolloutEngine(RolloutEngine):
         if self._pause_requested:
             self._pause_requested = False
             self._paused = True
+
+
+#: zero-size bases the lengths-only payload expands (a view costs no allocation)
+_NO_IDS = torch.empty((1, 0), dtype=torch.int64)
+_NO_LOGPROBS = torch.empty((1, 0), dtype=torch.float32)
 
 
 def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

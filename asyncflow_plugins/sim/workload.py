@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,6 +53,9 @@ class SimRewardConfig(BaseModel):
 
     p_correct: float = Field(0.5, ge=0, le=1, description="Probability that a sample scores 1.")
     seed: int = Field(0, description="Seed mixed into each sample's draw.")
+    seconds_per_sample: float = Field(
+        0.0, ge=0, description="Modelled scoring time per sample, spent once per batch on the loop's clock (a "
+        "verifier's cost; asyncflow sim --calibrate fits it from a real run's reward spans). 0: free.")
 
 
 class SimReward(Reward):
@@ -60,7 +66,19 @@ class SimReward(Reward):
     def __init__(self, config: SimRewardConfig | None = None) -> None:
         self.config = config or SimRewardConfig()
 
+    @property
+    def score_many(self) -> Any:
+        """Batch scoring, only when scoring costs time: the reward stage then awaits one sleep per batch (an
+        event per batch, not per sample); free scoring keeps the plain per-sample path (AttributeError here)."""
+        if self.config.seconds_per_sample <= 0:
+            raise AttributeError("score_many")
+        return self._score_many
+
     def score(self, sample: RewardInput) -> float:
         key = f"{self.config.seed}:{sample.prompt}:{len(sample.completion_token_ids)}:{sample.metadata.get('i', '')}"
         u = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2.0**64
         return float(u < self.config.p_correct)
+
+    async def _score_many(self, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
+        await asyncio.sleep(self.config.seconds_per_sample * len(samples))
+        return [(True, self.score(s)) for s in samples]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -71,18 +69,40 @@ def test_delayed_update_beats_sync_on_the_simulated_clock():
     assert one["samples_per_s"] > 1.1 * sync["samples_per_s"]
 
 
-def test_hours_of_simulated_training_take_seconds():
-    # slow simulated hardware (one trainer device, 50 ms decode steps): hours of simulated time, little real work
-    t0 = time.perf_counter()
-    s = run_flow(resolve(sim_config("one_step", replicas=4, steps=10, prompts=8, trainer_devices=1,
-                                    rollout_latency={"step_overhead_s": 0.15},
-                                    lengths={"median_tokens": 1500, "sigma": 0.9}, max_new=8192)),
-                 virtual=True, write_png=False)
-    wall = time.perf_counter() - t0
+def test_hours_of_simulated_training_cost_events_not_decoding_passes():
+    """Slow simulated hardware (one trainer device, 150 ms passes): hours of simulated time, little real work.
+
+    What a simulation costs is its scheduler events (arrivals, completions,
+    aborts, weight updates), not its decoding passes: the clock jumps over
+    every run of passes in which nothing happens. The wall-time figure lives
+    in benchmarks/sim_scaling.py (docs/performance.md), not in a test.
+    """
+    from asyncflow_core.flow.clock import run_virtual
+    from asyncflow_core.flow.runtime import FlowRuntime, Roles
+
+    class Keep(Roles):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rollout: list = []
+
+        def build(self, section, factory, options, *, role, index=0):
+            obj = factory(options)
+            if section == "rollout":
+                self.rollout.append(obj)
+            return obj
+
+    roles = Keep()
+    cfg = sim_config("one_step", replicas=4, steps=10, prompts=8, trainer_devices=1,
+                     rollout_latency={"step_overhead_s": 0.15}, lengths={"median_tokens": 1500, "sigma": 0.9},
+                     max_new=8192)
+    s = run_virtual(FlowRuntime(resolve(cfg), write_png=False, roles=roles).run())
     _check(s, 1, 10, 8, 4)
     assert s["run_seconds"] > 1.5 * 3600  # hours of simulated time...
-    assert wall < 120  # ...in (generously bounded) seconds of wall time
-    print(f"simulated {s['run_seconds'] / 3600:.1f} h in {wall:.1f} s of wall time")
+    passes = sum(e.stats.steps for e in roles.rollout)
+    events = sum(e.stats.events for e in roles.rollout)
+    assert len(roles.rollout) == 4 and passes > 0
+    # ...for far fewer scheduler intervals than decoding passes: passes are integrated, not stepped one by one
+    assert events * 20 < passes, (events, passes)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

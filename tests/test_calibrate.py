@@ -1,0 +1,138 @@
+"""``asyncflow sim --calibrate``: the fit recovers a known latency model, and the twin of a config simulates it.
+
+The oracle is a simulated run whose latency model is chosen here: its
+spans and metrics are what a real run writes, so fitting them must give
+back the chosen numbers (exactly enough: the virtual clock has no noise).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncflow_core.cli.calibrate import fit_runs, load_run, sim_overrides
+from asyncflow_core.config import load_config, resolve
+from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.runtime import run_flow
+
+REPO = Path(__file__).resolve().parents[1]
+
+PASS_S, TOKEN_S = 0.02, 0.001  # rollout: fixed cost of a decoding pass, cost per token in it
+TRAIN_S_PER_TOKEN, TRAIN_OVERHEAD_S = 0.002, 0.5
+SEND_S, RECEIVE_S = 0.1, 0.05
+CAP = 50  # every response reaches it (median 100, no spread): each busy period is CAP passes
+
+
+def _oracle(tmp: Path, prompts: int, name: str) -> Path:
+    data = {
+        "name": name,
+        "data": {"name": "sim", "options": {"size": 100, "prompt_tokens": 16, "prompt_sigma": 0.0},
+                 "prompts_per_step": prompts},
+        "rollout": {"name": "sim", "replicas": 1, "n": 2, "max_new_tokens": CAP, "max_inflight": 64,
+                    "options": {"payload": "lengths", "lengths": {"median_tokens": 100, "sigma": 0.0},
+                                "latency": {"step_overhead_s": PASS_S, "weight_read_s": 0.0, "per_seq_s": TOKEN_S,
+                                            "prefill_s_per_token": TOKEN_S}}},
+        "trainer": {"name": "sim", "total_steps": 5,
+                    "options": {"latency": {"devices": 1, "params": 1.0, "mfu": 1.0,
+                                            "peak_flops_per_device": 6.0 / TRAIN_S_PER_TOKEN,
+                                            "step_overhead_s": TRAIN_OVERHEAD_S}}},
+        "weight_transport": {"name": "sim", "options": {"latency": {
+            "model_bytes": 1e6, "latency_s": 0.0, "send_bandwidth_bytes_per_s": 1e6 / SEND_S,
+            "receive_bandwidth_bytes_per_s": 1e6 / RECEIVE_S}}},
+        "algorithm": {"name": "grpo", "options": {"group_size": 2}},
+        "reward": {"name": "sim"},
+        "async": {"mode": "sync"},
+        "logging": {"level": "WARNING"},
+    }
+    from asyncflow_core.config.models import RunConfig
+
+    run_dir = tmp / name
+    run_flow(resolve(RunConfig.model_validate(data)), virtual=True, run_dir=run_dir, write_png=False)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def oracle_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("oracle")
+    return [_oracle(tmp, 8, "b8"), _oracle(tmp, 4, "b4")]
+
+
+def test_two_batch_sizes_recover_the_rollout_train_and_transfer_costs(oracle_runs):
+    cal = fit_runs(oracle_runs)
+    assert cal.fit["rollout_pass_s"] == pytest.approx(PASS_S, rel=0.02)
+    assert cal.fit["rollout_token_s"] == pytest.approx(TOKEN_S, rel=0.02)
+    assert cal.fit["train_s_per_token"] == pytest.approx(TRAIN_S_PER_TOKEN, rel=0.02)
+    assert cal.fit["train_overhead_s"] == pytest.approx(TRAIN_OVERHEAD_S, rel=0.02)
+    assert cal.fit["send_s"] == pytest.approx(SEND_S, rel=0.02)
+    assert cal.fit["receive_s"] == pytest.approx(RECEIVE_S, rel=0.02)
+    assert cal.fit["mean_response_tokens"] == pytest.approx(CAP)
+    assert cal.lengths["median_tokens"] >= CAP  # every response reached the cap: so do the simulated ones
+    assert (oracle_runs[0] / "calibration.yaml").is_file()  # the fit is kept beside the run it came from
+
+
+def test_one_run_cannot_split_the_pass_cost_and_says_so(oracle_runs):
+    cal = fit_runs(oracle_runs[:1])
+    assert any("one run cannot tell" in n for n in cal.notes)
+    run = load_run(oracle_runs[0])
+    # the whole busy period is still accounted for
+    period = sorted(run.busy_durations)[len(run.busy_durations) // 2]
+    tokens = (run.requests * run.prompt_tokens + run.generated_tokens) / run.busy_periods
+    assert cal.fit["rollout_pass_s"] * CAP + cal.fit["rollout_token_s"] * tokens == pytest.approx(period, rel=0.02)
+
+
+def test_the_twin_of_a_calibration_run_predicts_its_throughput(oracle_runs, tmp_path):
+    """In-sample: simulating the b8 config with the model fitted from both runs gives back its rate."""
+    config = oracle_runs[0] / "config.yaml"
+    ovs = sim_overrides(config, [], calibrate=oracle_runs)
+    predicted = run_flow(resolve(load_config(config, ovs)), virtual=True, write_png=False)
+    actual = json.loads((oracle_runs[0] / "summary.json").read_text())
+    assert predicted["steady_samples_per_s"] == pytest.approx(actual["steady_samples_per_s"], rel=0.03)
+
+
+def test_the_twin_of_a_real_config_runs_on_the_sim_engines(oracle_runs):
+    """The arithmetic example (torch rollout, fsdp trainer, a reward that reads text) becomes all-sim."""
+    example = REPO / "examples" / "arithmetic_grpo.yaml"
+    ovs = sim_overrides(example, ["trainer.total_steps=3", "trainer.checkpoint_every=0"], calibrate=oracle_runs)
+    resolved = resolve(load_config(example, ovs))
+    cfg = resolved.config
+    assert (cfg.rollout.name, cfg.trainer.name, cfg.weight_transport.name, cfg.reward.name) == ("sim",) * 4
+    ro = resolved.components["rollout"].options
+    assert ro.payload == "lengths" and ro.latency.max_running_seqs == 256  # the torch engine's max_batch
+    assert ro.vocab_size == 14  # the example's character vocabulary: its prompts are valid sim prompts
+    s = run_flow(resolved, virtual=True, write_png=False)
+    assert s["steps"] == 3
+
+
+def test_the_payload_defaults_to_lengths_for_sim_configs_only():
+    sim = REPO / "examples" / "sim_7b.yaml"
+    assert sim_overrides(sim, ["trainer.total_steps=2"]) == ["trainer.total_steps=2",
+                                                             "rollout.options.payload=lengths"]
+    assert sim_overrides(sim, [], payload="tokens") == ["rollout.options.payload=tokens"]
+    assert sim_overrides(sim, ["rollout.options.payload=tokens"]) == ["rollout.options.payload=tokens"]
+    assert sim_overrides(REPO / "examples" / "arithmetic_grpo.yaml", []) == []
+    with pytest.raises(ConfigError, match="--payload"):
+        sim_overrides(sim, [], payload="ids")
+
+
+def test_a_directory_that_is_not_a_run_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no config.yaml"):
+        fit_runs([tmp_path])
+
+
+def test_the_cli_takes_several_calibration_runs(oracle_runs, tmp_path, capsys):
+    from asyncflow_core.cli.main import main
+
+    config = oracle_runs[0] / "config.yaml"
+    with pytest.raises(SystemExit) as exc:  # click's standalone mode exits, 0 on success
+        main(["sim", str(config), "trainer.total_steps=2", "--run-dir", str(tmp_path / "twin"), "--no-progress",
+              "--calibrate", str(oracle_runs[0]), "--calibrate", str(oracle_runs[1])])
+    assert exc.value.code == 0
+    err = capsys.readouterr().err
+    assert f"calibrated from {oracle_runs[0]}, {oracle_runs[1]}" in " ".join(err.split())
+    import yaml
+
+    saved = yaml.safe_load((tmp_path / "twin" / "config.yaml").read_text())["rollout"]["options"]
+    assert saved["payload"] == "lengths"
+    assert saved["latency"]["step_overhead_s"] == pytest.approx(PASS_S, rel=0.02)  # both runs fitted the pass cost

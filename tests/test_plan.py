@@ -1,0 +1,145 @@
+"""``asyncflow plan``: the placements it considers, what it writes, and a whole (tiny) plan end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncflow_core.cli.plan import (
+    Candidate,
+    candidates,
+    estimate_step_seconds,
+    ideal_samples_per_s,
+    neighbours,
+    pareto_front,
+    run_plan,
+    workload,
+    write_outputs,
+)
+from asyncflow_core.config import load_config, resolve
+from asyncflow_core.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "sim_7b.yaml"
+#: a small version of the 7B example: 64 samples per step, a 2k cap, a few steps
+SMALL = ["data.prompts_per_step=8", "rollout.max_new_tokens=2048", "store.options.capacity=4096"]
+
+
+def test_every_placement_uses_whole_nodes_and_colocation_only_without_staleness():
+    cands = candidates(32, node_size=8, max_k=2, replicas_per_node=(1, 8))
+    # per replica size: 1 colocated + 3 splits (8/24, 16/16, 24/8) x 3 bounds
+    assert len(cands) == 2 * (1 + 3 * 3) and len(set(cands)) == len(cands)
+    for c in cands:
+        assert c.trainer_devices % 8 == 0 and c.rollout_devices % 8 == 0
+        assert c.replicas * c.devices_per_replica == c.rollout_devices
+        if c.colocated:
+            assert c.k == 0 and c.trainer_devices == c.rollout_devices == 32
+        else:
+            assert c.trainer_devices + c.rollout_devices == 32
+
+
+def test_a_candidates_overrides_make_a_valid_config_with_that_placement():
+    c = Candidate(k=2, colocated=False, trainer_devices=8, rollout_devices=24, devices_per_replica=2)
+    cfg = load_config(EXAMPLE, c.overrides())
+    resolved = resolve(cfg)
+    assert cfg.async_.k == 2 and not cfg.async_.colocated and cfg.rollout.replicas == 12
+    assert resolved.components["rollout"].options.latency.devices_per_replica == 2
+    assert resolved.components["trainer"].options.latency.devices == 8
+    sync = Candidate(0, True, 32, 32, 1)
+    assert load_config(EXAMPLE, sync.overrides()).async_.colocated
+
+
+def test_neighbours_stay_inside_the_space():
+    space = {"devices": 32, "node_size": 8, "max_k": 2, "replicas_per_node": (1, 2, 8)}
+    every = set(candidates(**space))
+    c = Candidate(1, False, 16, 16, 4)
+    near = neighbours(c, **space)
+    assert near and set(near) <= every and c not in near
+    assert {n.k for n in near} >= {0, 2}  # the bound moves both ways
+    assert {n.trainer_devices for n in near} >= {8, 24}  # a node moves either way
+
+
+def test_the_screen_and_the_ideal_read_the_sim_latency_models():
+    w = workload(resolve(load_config(EXAMPLE, SMALL)))
+    assert w.samples == 64 and 0 < w.response_tokens <= 2048 and w.longest <= 2048
+    ideal = ideal_samples_per_s(w, 32, 8)
+    for c in candidates(32, node_size=8, max_k=2, replicas_per_node=(1, 8)):
+        # the estimate is a schedule's step time: never better than the ideal (which ignores tails and sync)
+        assert w.samples / estimate_step_seconds(w, c) <= ideal * 1.0001, c
+
+
+def test_the_pareto_front_keeps_only_rows_nothing_beats_on_both_axes():
+    rows = [{"mean_staleness": s, "samples_per_s": t} for s, t in [(0, 5), (0, 4), (0.8, 7), (1.0, 6), (1.9, 9)]]
+    front = pareto_front(rows)
+    assert [(r["mean_staleness"], r["samples_per_s"]) for r in front] == [(0, 5), (0.8, 7), (1.9, 9)]
+
+
+def test_a_non_sim_config_and_a_bad_budget_are_refused_with_one_line():
+    with pytest.raises(ConfigError, match="sim engines"):
+        run_plan(REPO / "examples" / "arithmetic_grpo.yaml", devices=16, progress=False)
+    with pytest.raises(ConfigError, match="multiple of the node size"):
+        run_plan(EXAMPLE, SMALL, devices=20, progress=False)
+    with pytest.raises(ConfigError, match="divide the node size"):
+        run_plan(EXAMPLE, SMALL, devices=16, replicas_per_node=(3,), progress=False)
+
+
+def test_a_whole_plan_ranks_what_it_simulated_and_writes_a_runnable_pick(tmp_path):
+    """Two nodes, k <= 1, one replica size: every placement simulated (--full), on one worker process."""
+    result = run_plan(EXAMPLE, SMALL, devices=16, max_k=1, replicas_per_node=(8,), measured_steps=2, full=True,
+                      workers=1, progress=False)
+    assert result.simulated == result.candidates == 3  # colocated k=0, and 8/8 with k = 0 and 1
+    rates = [r["samples_per_s"] for r in result.rows]
+    assert rates == sorted(rates, reverse=True) and all(x > 0 for x in rates)
+    assert result.chosen is result.rows[0]
+    for r in result.rows:
+        assert r["violations"] == 0 and max(r["staleness_histogram"]) <= r["candidate"]["k"]
+        assert 0 < r["efficiency_vs_ideal"] <= 1.0
+    files = write_outputs(result, tmp_path)
+    overlay = yaml.safe_load(files["overlay"].read_text())
+    chosen = Candidate(**result.chosen["candidate"])
+    assert overlay["async"]["max_staleness"] == chosen.k and overlay["rollout"]["replicas"] == chosen.replicas
+    # the written config is the example with the pick applied: it validates as it is
+    cfg = load_config(files["chosen"])
+    assert cfg.async_.k == chosen.k and cfg.rollout.replicas == chosen.replicas
+    assert json.loads(files["json"].read_text())["chosen"]["label"] == chosen.label
+    assert files["png"].stat().st_size > 0
+
+
+def test_the_screened_search_measures_its_finalists_over_every_step():
+    """Screening simulates one step after the warm-up; only the finalists are measured over --steps, and rank first."""
+    result = run_plan(EXAMPLE, SMALL, devices=24, max_k=1, replicas_per_node=(8,), measured_steps=2, shortlist=2,
+                      finalists=1, workers=1, progress=False)
+    assert result.chosen["measured_steps"] == 2 and result.chosen["rank"] == 1
+    assert [r["measured_steps"] for r in result.rows[1:]] == [1] * (len(result.rows) - 1)
+    for r in result.rows:
+        assert r["violations"] == 0
+
+
+def test_the_cli_refuses_bad_plans_and_payloads_with_one_line(capsys):
+    from asyncflow_core.cli.main import main
+
+    for argv, expected in ((["plan", str(REPO / "examples" / "arithmetic_grpo.yaml")], "sim engines"),
+                           (["plan", str(EXAMPLE), "--devices", "20"], "multiple of the node size"),
+                           (["sim", str(EXAMPLE), "--payload", "ids"], "--payload")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error:") and expected in err[0], err
+
+
+def test_asyncflow_sim_runs_lengths_only_unless_told(tmp_path, capsys):
+    from asyncflow_core.cli.main import main
+
+    for extra, payload in (([], "lengths"), (["--payload", "tokens"], "tokens")):
+        run_dir = tmp_path / payload
+        with pytest.raises(SystemExit) as exc:  # click's standalone mode exits, 0 on success
+            main(["sim", str(EXAMPLE), *SMALL, "trainer.total_steps=1", "--run-dir", str(run_dir), "--no-progress",
+                  *extra])
+        assert exc.value.code == 0
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert saved["rollout"]["options"]["payload"] == payload
+    capsys.readouterr()
