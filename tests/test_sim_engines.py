@@ -26,6 +26,12 @@ FAST = {"time_scale": 1e-3}  # the spec suite runs on a real event loop: make mo
 class TestSimRollout(RolloutEngineSpec):
     backend = "sim"
     options = FAST
+    vocab_size = 32000  # the simulated model's vocabulary: the failing-request test needs an id beyond it
+
+    @pytest.mark.xfail(strict=True, reason="the simulator's length model ends completions; it ignores "
+                       "stop_token_ids (docs/simulation.md), so a stop id does not end one early")
+    def test_stop_ids_and_length_are_all_that_end_a_completion(self, make_backend):
+        super().test_stop_ids_and_length_are_all_that_end_a_completion(make_backend)
 
 
 class TestSimTrain(TrainEngineSpec):
