@@ -12,6 +12,9 @@ from asyncflow_core.types.weights import (
     buffer_checksum,
     collect_update,
     pack_buckets,
+    verify_buckets,
+    weight_digest,
+    weight_digests,
 )
 
 __all__ = [
@@ -31,4 +34,7 @@ __all__ = [
     "buffer_checksum",
     "collect_update",
     "pack_buckets",
+    "verify_buckets",
+    "weight_digest",
+    "weight_digests",
 ]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import math
-from collections.abc import AsyncIterable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+import os
+import threading
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from asyncflow_core.errors import WeightTransferError
 
@@ -68,8 +72,13 @@ class TensorMeta:
 class WeightBucket:
     """A fixed-size group of tensors of one weight version, packed in one uint8 buffer.
 
-    ``checksum`` is the BLAKE2b digest of ``buffer`` computed by the sender;
-    receivers call :meth:`verify` before using the tensors.
+    ``checksum`` is the :func:`weight_digest` of ``buffer`` computed by the
+    sender; receivers call :meth:`verify` (or :func:`verify_buckets`) before
+    using the tensors. A bucket remembers that it was verified together with
+    its buffer's version counter, so checking it again (the transport, then
+    ``collect_update``) costs nothing until the buffer is written in place
+    through torch. The memory is per object: a copy or pickle of the bucket
+    is verified afresh.
     """
 
     version: int
@@ -78,6 +87,8 @@ class WeightBucket:
     buffer: torch.Tensor  #: 1-D uint8, contiguous
     checksum: str
     last: bool  #: True on the final bucket of a version
+    #: ``buffer._version`` when this object last verified, else None (not compared, copied or pickled)
+    _verified_at: int | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -91,29 +102,167 @@ class WeightBucket:
 
     def verify(self) -> None:
         """Raise :class:`WeightTransferError` if the buffer does not match its checksum."""
-        actual = buffer_checksum(self.buffer)
-        if actual != self.checksum:
-            raise WeightTransferError(
-                f"weight bucket {self.index} of version {self.version} is corrupted: checksum {actual} "
-                f"!= {self.checksum} sent"
-            )
+        verify_buckets([self])
+
+    @property
+    def verified(self) -> bool:
+        """True when this object verified its buffer and the buffer was not written in place since."""
+        return self._verified_at is not None and self._verified_at == self.buffer._version
+
+    def _mark_verified(self) -> None:
+        object.__setattr__(self, "_verified_at", self.buffer._version)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_verified_at"] = None  # a copy that crossed a process boundary verifies again
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__["_verified_at"] = None
 
 
-def buffer_checksum(buffer: torch.Tensor) -> str:
-    """BLAKE2b-128 hex digest of a uint8 CPU or device buffer."""
-    data = buffer.detach().contiguous()
+# ------------------------------------------------------------------ the digest
+#
+# The one digest of weight buffers: every producer (``pack_buckets``, the
+# trainers' exports) and every checker (``WeightBucket.verify``, the
+# transports, the engines' workers) calls the functions below.
+#
+# Definition: split the buffer's bytes into consecutive spans of
+# DIGEST_SPAN_BYTES (the last shorter; one empty span for an empty buffer),
+# take the XXH3-128 digest (16 bytes, big-endian, as ``xxhash`` returns it)
+# of each span, and return the lowercase hex XXH3-128 of
+# ``len(buffer) as 8 bytes little-endian || leaf digests in order``.
+# Spans hash independently, on threads (xxhash releases the GIL).
+#
+# Guarantee: a checksum against accidents — a flipped or zeroed byte, a
+# truncated or extended buffer, spans or buckets swapped, stale bytes from
+# another version — not against an adversary: XXH3 is not cryptographic, and
+# anyone who can write the buffer can also write a matching digest.
+
+DIGEST_NAME = "xxh3-128-tree/8MiB"  #: the digest's name in docs and manifests
+DIGEST_SPAN_BYTES = 8 << 20
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def digest_pool() -> ThreadPoolExecutor:
+    """The threads digests (and the copies fused with them) run on: one per usable CPU, at most 8."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            try:
+                cpus = len(os.sched_getaffinity(0))
+            except AttributeError:  # not on Linux
+                cpus = os.cpu_count() or 1
+            _POOL = ThreadPoolExecutor(max(1, min(8, cpus)), thread_name_prefix="asyncflow-digest")
+        return _POOL
+
+
+def _reset_pool_in_child() -> None:
+    global _POOL, _POOL_LOCK
+    _POOL, _POOL_LOCK = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pool_in_child)
+
+
+def digest_spans(nbytes: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the spans a buffer of ``nbytes`` is hashed in (one empty span when ``nbytes`` is 0)."""
+    return [(a, min(a + DIGEST_SPAN_BYTES, nbytes)) for a in range(0, nbytes, DIGEST_SPAN_BYTES)] or [(0, 0)]
+
+
+def digest_leaf(data) -> bytes:
+    """XXH3-128 of one span (any object with the buffer protocol); releases the GIL."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def digest_root(nbytes: int, leaves: Sequence[bytes]) -> str:
+    """The digest of a buffer of ``nbytes`` from its spans' leaf digests, in order."""
+    return xxhash.xxh3_128_hexdigest(nbytes.to_bytes(8, "little") + b"".join(leaves))
+
+
+def host_bytes(buffer: torch.Tensor) -> memoryview:
+    """The bytes of a tensor as a flat memoryview (no copy for a contiguous CPU tensor)."""
+    data = buffer.detach()
     if data.device.type != "cpu":
         data = data.cpu()
-    return hashlib.blake2b(memoryview(data.numpy()), digest_size=16).hexdigest()
+    data = data.contiguous().reshape(-1)
+    if data.dtype != torch.uint8:
+        data = data.view(torch.uint8)
+    return memoryview(data.numpy())
+
+
+def weight_digests(buffers: Sequence[torch.Tensor]) -> list[str]:
+    """:func:`weight_digest` of each buffer, every span of every buffer hashed in parallel."""
+    views = [host_bytes(b) for b in buffers]
+    jobs = [(i, a, b) for i, v in enumerate(views) for a, b in digest_spans(len(v))]
+    if len(jobs) == 1:
+        leaves = [digest_leaf(views[0])]
+    else:
+        leaves = list(digest_pool().map(lambda job: digest_leaf(views[job[0]][job[1] : job[2]]), jobs))
+    out: list[list[bytes]] = [[] for _ in views]
+    for (i, _, _), leaf in zip(jobs, leaves, strict=True):
+        out[i].append(leaf)
+    return [digest_root(len(v), parts) for v, parts in zip(views, out, strict=True)]
+
+
+def weight_digest(buffer: torch.Tensor) -> str:
+    """The digest of a weight buffer (CPU or device; device buffers are copied to the host first): 32 hex chars."""
+    return weight_digests([buffer])[0]
+
+
+buffer_checksum = weight_digest  #: the name this function had before; same function
+
+
+def verify_buckets(buckets: Sequence[WeightBucket], *, where: str | None = None,
+                   digests: Sequence[str] | None = None) -> None:
+    """Check every bucket against its checksum, in parallel; the first mismatch is a ``WeightTransferError``.
+
+    Buckets this object already verified (buffer unchanged since) are not
+    hashed again; ``where`` says where the bytes were read, for the message.
+    ``digests``: the buffers' digests when the caller computed them while
+    copying the bytes in (with :func:`digest_leaf` / :func:`digest_root`).
+    """
+    if digests is not None:
+        todo = list(buckets)
+        if len(digests) != len(todo):
+            raise ValueError(f"{len(digests)} digests for {len(todo)} buckets")
+    else:
+        todo = [b for b in buckets if not b.verified]
+        if not todo:
+            return
+        digests = weight_digests([b.buffer for b in todo])
+    for bucket, actual in zip(todo, digests, strict=True):
+        if actual != bucket.checksum:
+            place = f" ({where})" if where else ""
+            raise WeightTransferError(
+                f"weight bucket {bucket.index} of version {bucket.version} is corrupted{place}: checksum {actual} "
+                f"!= {bucket.checksum} sent; the version was not applied"
+            )
+    for bucket in todo:
+        bucket._mark_verified()
 
 
 def pack_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    bucket_bytes: int,
+    allocate: Callable[[int], torch.Tensor] | None = None,
 ) -> Iterator[WeightBucket]:
     """Pack ``(name, tensor)`` pairs into buckets of at most ``bucket_bytes``.
 
     A tensor larger than ``bucket_bytes`` gets a bucket of its own. Tensors
-    are copied once, into the bucket buffer, in the order given.
+    are copied once, straight into the bucket buffer (a non-contiguous one
+    too, without a contiguous copy first), in the order given; only the
+    alignment padding between them is zeroed. ``allocate(nbytes)``, when
+    given, returns the 1-D uint8 buffer of a bucket (e.g. a view of a
+    shared-memory segment, so the export needs no further copy to cross a
+    process boundary); by default a fresh tensor on the first tensor's
+    device. The bucket's digest is taken when it is full.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -129,10 +278,25 @@ def pack_buckets(
             metas.append(TensorMeta(name, dtype_name(t.dtype), tuple(t.shape), offset))
             offset = _align(offset + t.numel() * t.element_size())
         device = pending[0][1].device if pending else torch.device("cpu")
-        buffer = torch.zeros(offset, dtype=torch.uint8, device=device)
-        for meta, (_, t) in zip(metas, pending, strict=True):
-            buffer[meta.offset : meta.offset + meta.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
-        bucket = WeightBucket(version, index, tuple(metas), buffer, buffer_checksum(buffer), last)
+        if allocate is None:
+            buffer = torch.empty(offset, dtype=torch.uint8, device=device)
+        else:
+            buffer = allocate(offset)
+            if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != offset:
+                raise ValueError(f"allocate({offset}) must return a 1-D uint8 tensor of {offset} bytes, got "
+                                 f"{buffer.dtype} of shape {tuple(buffer.shape)}")
+        end = 0
+        with torch.no_grad():
+            for meta, (_, t) in zip(metas, pending, strict=True):
+                if meta.offset > end:
+                    buffer[end : meta.offset].zero_()
+                dst = buffer[meta.offset : meta.offset + meta.nbytes]
+                if meta.nbytes:
+                    dst.view(t.dtype).view(t.shape).copy_(t.detach())
+                end = meta.offset + meta.nbytes
+            if offset > end:
+                buffer[end:offset].zero_()
+        bucket = WeightBucket(version, index, tuple(metas), buffer, weight_digest(buffer), last)
         pending, size, index = [], 0, index + 1
         return bucket
 
@@ -225,10 +389,11 @@ async def collect_update(version: int, buckets: AsyncIterable[WeightBucket], *,
     every tensor of the model covered. Raises :class:`WeightTransferError`
     saying which check failed.
     """
-    received: list[WeightBucket] = []
+    received = [bucket async for bucket in buckets]
+    if not all(b.verified for b in received):  # free for buckets the transport already verified
+        await asyncio.to_thread(verify_buckets, received)  # all at once, in parallel, off the event loop
     names: set[str] = set()
-    async for bucket in buckets:
-        bucket.verify()
+    for bucket in received:
         if bucket.version != version:
             raise WeightTransferError(
                 f"bucket {bucket.index} belongs to version {bucket.version}, not to the update to version {version}"
@@ -239,7 +404,6 @@ async def collect_update(version: int, buckets: AsyncIterable[WeightBucket], *,
             if meta.name in names:
                 raise WeightTransferError(f"{meta.name!r} was sent twice in the update to version {version}")
             names.add(meta.name)
-        received.append(bucket)
     if not received:
         raise WeightTransferError(f"the update to version {version} carried no weight buckets")
     if not received[-1].last:

@@ -49,7 +49,8 @@ class DistTransportConfig(BaseModel):
         description="nccl only: this rank's CUDA device (an index or cuda:N). Unset: LOCAL_RANK when the launcher "
         "sets it, else the current device of the process that builds the transport.",
     )
-    chunk_mb: float = Field(16.0, gt=0, description="Size of one broadcast message in MiB (the last is shorter).")
+    chunk_mb: float = Field(16.0, gt=0, description="Largest broadcast message in MiB: each bucket travels in "
+                            "pieces of this size (its last one shorter).")
     join_timeout_s: float = Field(120.0, gt=0, description="How long the ranks may take to join the group.")
     poll_interval_s: float = Field(0.002, gt=0, description="How often control keys are checked while waiting.")
 

@@ -3,7 +3,7 @@
 Layout under ``path``::
 
     v000000000007/weights.safetensors   one uint8 tensor per bucket: "bucket.00000", ...
-    v000000000007/manifest.json         tensor layout and checksums (asyncflow-weights/1)
+    v000000000007/manifest.json         tensor layout and checksums (asyncflow-weights/2)
     .tmp-v000000000008-<pid>-<token>/   a version being written (never read)
 
 The sender writes a version into a temporary directory and renames it to
@@ -41,6 +41,7 @@ from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightT
 from asyncflow_core.types import TensorMeta, WeightBucket
 from asyncflow_plugins.weight_transports.config import DiskTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
+    FORMAT,
     VersionManifest,
     manifest_for,
     parse_manifest,
@@ -147,7 +148,7 @@ class DiskWeightTransport(WeightTransport):
                     if buf.untyped_storage().nbytes() != buf.nbytes:
                         buf = buf.clone()  # safetensors refuses tensors that share storage (views of one payload)
                     tensors[_bucket_key(b.index)] = buf
-                save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "asyncflow-weights/1",
+                save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": FORMAT,
                                                                    "version": str(weights.version)})
                 (tmp / MANIFEST_FILE).write_text(DiskManifest(weights=weights).model_dump_json())
                 if self.config.fsync:

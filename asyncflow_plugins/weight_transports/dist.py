@@ -25,10 +25,14 @@ committed to. The rendezvous key-value store carries the control messages
    ``abort`` instead. Whoever wins decides for everyone, so a broadcast is
    posted either by all ranks or by none;
 4. the payload (the bucket buffers laid end to end) moves in broadcasts of
-   exactly ``chunk_mb`` (the last one shorter), received in place into the
-   receiver's buffer;
-5. each receiver verifies every bucket's checksum, stages the version and
-   writes ``result/<seq>/<rank>``: ``ok`` or the reason it was refused.
+   at most ``chunk_mb``, each inside one bucket (:func:`message_ranges`:
+   every bucket cut in ``chunk_mb`` pieces, the last one shorter), so the
+   source sends views of its bucket buffers, no packed copy; they are
+   received in place into the receiver's buffer;
+5. each receiver verifies every bucket's checksum (on CPU, each digest span
+   is hashed on the digest threads as soon as the message holding it has
+   arrived, overlapping the broadcast), stages the version and writes
+   ``result/<seq>/<rank>``: ``ok`` or the reason it was refused.
 
 ``send`` returns once every receiver rank has staged the version; a corrupt
 bucket, a missing receiver or a deadline is a ``WeightTransferError`` saying
@@ -79,6 +83,7 @@ from asyncflow_core.store.deployments.nccl_support import (
 )
 from asyncflow_core.types import WeightBucket
 from asyncflow_plugins.weight_transports.config import DistTransportConfig
+from asyncflow_core.types.weights import digest_leaf, digest_pool, digest_root, digest_spans, verify_buckets
 from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
     buckets_from_payload,
@@ -103,8 +108,17 @@ class Announcement(BaseModel):
 
 
 def chunk_ranges(total: int, chunk: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of each broadcast message over a payload of ``total`` bytes; both sides compute it."""
+    """``(start, end)`` of pieces of at most ``chunk`` bytes covering ``total`` bytes, in order."""
     return [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+
+
+def message_ranges(weights: VersionManifest, chunk: int) -> list[tuple[int, int]]:
+    """``(start, end)`` in the payload of each broadcast message: every bucket in pieces of at most ``chunk``.
+
+    Both sides compute it from the manifest. The padding between buckets is
+    never sent (no digest covers it).
+    """
+    return [(e.offset + a, e.offset + b) for e in weights.buckets for a, b in chunk_ranges(e.nbytes, chunk)]
 
 
 #: background threads still inside the group's constructor (waiting for peers), and until when they may wait
@@ -281,21 +295,41 @@ class DistWeightTransport(WeightTransport):
 
     def _receive_payload(self, group: _Group, ann: Announcement, payload: torch.Tensor, end: float) -> None:
         version = ann.weights.version
+        entries = ann.weights.buckets
+        jobs = [(i, e.offset + a, e.offset + b) for i, e in enumerate(entries) for a, b in digest_spans(e.nbytes)]
+        leaves: list[Any] = []
         try:
             group.bound_transfer(end)
-            works = [
-                group.broadcast(payload[a:b], self.config.source_rank, end - time.monotonic())
-                for a, b in chunk_ranges(ann.weights.total_bytes, ann.chunk_bytes)
-            ]
-            group.finish(works, end, f"the broadcast of version {version} to rank {self.config.rank}")
+            ranges = message_ranges(ann.weights, ann.chunk_bytes)
+            works = [group.broadcast(payload[a:b], self.config.source_rank, end - time.monotonic()) for a, b in ranges]
+            if group.device.type == "cpu":
+                # gloo completes the broadcasts in order: hash each span once the message that ends it is in
+                data = payload.numpy()
+                pool = digest_pool()
+                j = 0
+                for work, (_, b) in zip(works, ranges, strict=True):
+                    work.wait()
+                    while j < len(jobs) and jobs[j][2] <= b:
+                        leaves.append(pool.submit(digest_leaf, data[jobs[j][1] : jobs[j][2]]))
+                        j += 1
+                leaves += [pool.submit(digest_leaf, data[a:b]) for _, a, b in jobs[j:]]  # empty buckets at the end
+            else:
+                group.finish(works, end, f"the broadcast of version {version} to rank {self.config.rank}")
         except Exception as exc:
             self._broken = f"the broadcast of version {version} failed on rank {self.config.rank}: {exc}"
             with contextlib.suppress(Exception):
                 group.kv.set(f"result/{ann.seq}/{self.config.rank}", self._broken)
             raise
         buckets = buckets_from_payload(ann.weights, payload)
+        digests = None
+        if leaves:
+            per_bucket: list[list[bytes]] = [[] for _ in entries]
+            for (i, _, _), leaf in zip(jobs, leaves, strict=True):
+                per_bucket[i].append(leaf.result())
+            digests = [digest_root(e.nbytes, p) for e, p in zip(entries, per_bucket, strict=True)]
         try:
-            verify_all(buckets, where=f"received by rank {self.config.rank} over {self.config.backend}")
+            verify_buckets(buckets, where=f"received by rank {self.config.rank} over {self.config.backend}",
+                           digests=digests)
         except WeightTransferError as exc:
             self._failure = (version, str(exc))
             group.kv.set(f"result/{ann.seq}/{self.config.rank}", str(exc))
@@ -402,22 +436,13 @@ class DistWeightTransport(WeightTransport):
 
     def _payload_messages(self, buckets: list[WeightBucket], weights: VersionManifest,
                           device: torch.device) -> list[torch.Tensor]:
-        """The broadcast messages: a view of a bucket buffer when a chunk lies inside one, else a packed copy."""
+        """The broadcast messages (:func:`message_ranges`): views of the bucket buffers, copied only to move device."""
         messages = []
-        spans = [(e.offset, e.offset + e.nbytes, b.buffer.reshape(-1)) for e, b in zip(weights.buckets, buckets,
-                                                                                      strict=True)]
-        for a, b in chunk_ranges(weights.total_bytes, self.config.chunk_bytes):
-            inside = [(s, e, buf) for s, e, buf in spans if s <= a and b <= e]
-            if inside and inside[0][2].device == device:
-                s, _, buf = inside[0]
-                messages.append(buf[a - s : b - s])
-                continue
-            packed = torch.zeros(b - a, dtype=torch.uint8, device=device)
-            for s, e, buf in spans:
-                lo, hi = max(a, s), min(b, e)
-                if lo < hi:
-                    packed[lo - a : hi - a].copy_(buf[lo - s : hi - s])
-            messages.append(packed)
+        for entry, bucket in zip(weights.buckets, buckets, strict=True):
+            buf = bucket.buffer.reshape(-1)
+            if buf.device != device:
+                buf = buf.to(device)
+            messages += [buf[a:b] for a, b in chunk_ranges(entry.nbytes, self.config.chunk_bytes)]
         return messages
 
     # --------------------------------------------------------------- receive

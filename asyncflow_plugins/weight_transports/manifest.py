@@ -2,7 +2,9 @@
 
 A version travels as one flat payload: the bucket buffers laid end to end
 (each starting at a multiple of 64 bytes). The manifest says where each
-bucket lies in it, what tensors it holds and its BLAKE2b checksum. It is
+bucket lies in it, what tensors it holds and its checksum
+(:func:`asyncflow_core.types.weights.weight_digest`, the one digest every
+producer and checker calls). It is
 plain JSON validated by a pydantic model — never pickle — so a receiver
 reads metadata from another process (or a file anyone could have written)
 without executing anything.
@@ -10,21 +12,29 @@ without executing anything.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, TypeVar
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from asyncflow_core.errors import WeightTransferError
 from asyncflow_core.types import TensorMeta, WeightBucket
-from asyncflow_core.types.weights import BUCKET_ALIGNMENT, dtype_from_name
+from asyncflow_core.types.weights import (
+    BUCKET_ALIGNMENT,
+    DIGEST_NAME,
+    digest_pool,
+    digest_spans,
+    dtype_from_name,
+    verify_buckets,
+    weight_digest,
+)
 
-FORMAT = "asyncflow-weights/1"
+#: bumped from /1 when the digest changed from BLAKE2b to xxh3-128-tree: an old manifest is refused by its format
+FORMAT = "asyncflow-weights/2"
 _HEX = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -47,7 +57,8 @@ class BucketEntry(BaseModel):
     index: int = Field(ge=0, description="Position of the bucket in its version, from 0.")
     offset: int = Field(ge=0, description="Byte offset of the bucket's buffer inside the version's payload.")
     nbytes: int = Field(ge=0, description="Length of the bucket's buffer in bytes.")
-    checksum: str = Field(description="BLAKE2b-128 hex digest of the buffer, computed by the trainer.")
+    checksum: str = Field(description=f"{DIGEST_NAME} hex digest of the buffer (weight_digest), computed by the "
+                                      "trainer.")
     last: bool = Field(description="True on the final bucket of the version.")
     tensors: tuple[TensorEntry, ...] = Field(description="The named tensors packed in the buffer.")
 
@@ -57,7 +68,7 @@ class VersionManifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    format: Literal["asyncflow-weights/1"] = Field(FORMAT, description="Manifest format tag.")
+    format: Literal["asyncflow-weights/2"] = Field(FORMAT, description="Manifest format tag.")
     version: int = Field(ge=0, description="Weight version.")
     total_bytes: int = Field(ge=0, description="Payload length: end of the last bucket.")
     buckets: tuple[BucketEntry, ...] = Field(description="Buckets in index order.")
@@ -151,41 +162,34 @@ def buckets_from_payload(manifest: VersionManifest, payload: torch.Tensor) -> li
     ]
 
 
-def checksum(buffer: torch.Tensor) -> str:
-    """Same digest as :func:`asyncflow_core.types.buffer_checksum`, hashed in place (no ``tobytes`` copy)."""
-    data = buffer.detach()
-    if data.device.type != "cpu":
-        data = data.cpu()
-    data = data.contiguous()
-    return hashlib.blake2b(memoryview(data.numpy()), digest_size=16).hexdigest()
-
-
-_VERIFY_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _VERIFY_POOL
-    if _VERIFY_POOL is None:
-        # hashlib releases the GIL on large inputs, so buckets hash in parallel
-        _VERIFY_POOL = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="asyncflow-verify")
-    return _VERIFY_POOL
+checksum = weight_digest  #: the core digest, under the name this module used
 
 
 def verify_all(buckets: Sequence[WeightBucket], *, where: str) -> None:
-    """Check every bucket against its checksum; the first mismatch is a ``WeightTransferError`` naming it."""
-    digests = list(_pool().map(lambda b: checksum(b.buffer), buckets))
-    for bucket, actual in zip(buckets, digests, strict=True):
-        if actual != bucket.checksum:
-            raise WeightTransferError(
-                f"weight bucket {bucket.index} of version {bucket.version} is corrupted ({where}): "
-                f"checksum {actual} != {bucket.checksum} sent; the version was not applied"
-            )
+    """Check every bucket against its checksum (in parallel); the first mismatch is a ``WeightTransferError``."""
+    verify_buckets(buckets, where=where)
 
 
 def copy_into(payload: torch.Tensor, manifest: VersionManifest, buckets: Sequence[WeightBucket]) -> None:
-    """Write each bucket's buffer at its manifest offset in ``payload`` (the padding between them is left as is)."""
+    """Write each bucket's buffer at its manifest offset in ``payload`` (the padding between them is left as is).
+
+    The copy runs in spans of ``DIGEST_SPAN_BYTES`` on the digest threads
+    (``numpy.copyto`` releases the GIL).
+    """
+    dst = payload.numpy()
+    jobs = []
     for entry, bucket in zip(manifest.buckets, buckets, strict=True):
-        payload[entry.offset : entry.offset + entry.nbytes].copy_(bucket.buffer.reshape(-1))
+        src = bucket.buffer.reshape(-1)
+        if src.device.type != "cpu":
+            payload[entry.offset : entry.offset + entry.nbytes].copy_(src)
+            continue
+        src_np = src.numpy()
+        jobs += [(dst[entry.offset + a : entry.offset + b], src_np[a:b]) for a, b in digest_spans(entry.nbytes)]
+    if len(jobs) <= 1:
+        for d, s in jobs:
+            np.copyto(d, s)
+        return
+    list(digest_pool().map(lambda job: np.copyto(*job), jobs))
 
 
 def pid_alive(pid: int) -> bool:

@@ -15,8 +15,9 @@ files under ``directory`` (``/dev/shm``, i.e. RAM):
   a receiver re-reads it after copying, and a copy that raced with a rewrite
   (a receiver slower than two whole sends) is detected and retried.
 
-Receivers map the segment, copy the payload into their own buffer, check the
-generation, then verify every bucket's checksum before yielding any. The
+Receivers map the segment and copy the payload into their own buffer, hashing
+each span right after copying it (one pass, on the digest threads), check the
+generation, then compare every bucket's digest before yielding any. The
 sender unlinks its segments and the manifest on ``close()`` (and, as a
 fallback, when the object is garbage collected or the process exits);
 segments left by a sender that was killed are removed by the next sender on
@@ -54,8 +55,8 @@ from asyncflow_plugins.weight_transports.manifest import (
     manifest_for,
     parse_manifest,
     pid_alive,
-    verify_all,
 )
+from asyncflow_core.types.weights import digest_leaf, digest_pool, digest_root, digest_spans, verify_buckets
 
 FEATURES = TransportFeatures(cross_process=True, cross_host=False, devices=("cpu",))
 PREFIX = "asyncflow-wt-"
@@ -302,20 +303,37 @@ class ShmWeightTransport(WeightTransport):
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
+        weights = manifest.weights
+        # one task per digest span, on the digest threads: copy it out of the segment, hash the private copy
+        jobs = [(i, e.offset + a, e.offset + b)
+                for i, e in enumerate(weights.buckets) for a, b in digest_spans(e.nbytes)]
+        payload = torch.empty(weights.total_bytes, dtype=torch.uint8)
+        dst = payload.numpy()
+        source = None
         try:
             if not self._header_matches(mapped, manifest):
                 return None
-            payload = torch.empty(manifest.weights.total_bytes, dtype=torch.uint8)
-            # a read-only mapping cannot back a tensor: copy through numpy, one memcpy, no intermediate bytes
-            source = np.frombuffer(mapped, dtype=np.uint8, count=manifest.weights.total_bytes, offset=HEADER_BYTES)
-            np.copyto(payload.numpy(), source)
-            del source  # release the export so the mapping can close
+            # a read-only mapping cannot back a tensor: copy through numpy, no intermediate bytes
+            source = np.frombuffer(mapped, dtype=np.uint8, count=weights.total_bytes, offset=HEADER_BYTES)
+
+            def copy_and_hash(job: tuple[int, int, int]) -> bytes:
+                _, a, b = job
+                np.copyto(dst[a:b], source[a:b])
+                return digest_leaf(dst[a:b])
+
+            leaves = list(digest_pool().map(copy_and_hash, jobs))
+            source = None  # release the export so the mapping can close
             if not self._header_matches(mapped, manifest):
                 return None
         finally:
+            source = None
             mapped.close()
-        buckets = buckets_from_payload(manifest.weights, payload)
-        verify_all(buckets, where=f"read from shared memory {manifest.segment}")
+        per_bucket: list[list[bytes]] = [[] for _ in weights.buckets]
+        for (i, _, _), leaf in zip(jobs, leaves, strict=True):
+            per_bucket[i].append(leaf)
+        buckets = buckets_from_payload(weights, payload)
+        verify_buckets(buckets, where=f"read from shared memory {manifest.segment}",
+                       digests=[digest_root(e.nbytes, p) for e, p in zip(weights.buckets, per_bucket, strict=True)])
         return buckets
 
     @staticmethod

@@ -1,0 +1,333 @@
+"""Weight sync benchmark: one model's weights from a trainer to a rollout engine, export -> transport -> load.
+
+    PYTHONPATH=.:spec python benchmarks/weight_sync.py [--json] [--size 0.5b|100m|10m]
+        [--transports inprocess,shm,dist] [--repeats 2] [--bucket-mb 64]
+
+The model is a Hugging Face ``Qwen2ForCausalLM`` with random fp32 weights
+built on CPU (``--size 0.5b`` is the Qwen2.5-0.5B shape: 494M parameters,
+1.98 GB; ``100m`` and ``10m`` are smaller Qwen2 shapes for quick runs). One
+sync is what a trainer at world 1 and the torch rollout engine do:
+
+- **export**: ``pack_buckets`` over the trainer model's ``state_dict`` (tied
+  tensors once, as the fsdp worker exports them): the copy into bucket
+  buffers plus the sender's digests;
+- **transfer**: ``transport.send`` until the engine side holds every bucket
+  verified (``receive`` recomputes the digests);
+- **load**: ``collect_update`` (the contract's checks, digests included)
+  and ``copy_`` into the engine model's existing tensors, as the torch
+  rollout engine's ``update_weights`` does.
+
+``digest`` is the part of those three spent computing digests (sender and
+receiver, outermost calls only), so export + transfer + load = total and
+digest overlaps them. ``inprocess``: engine in this process. ``shm``:
+engine in a spawned process. ``dist``: a 2-rank gloo group, engine on the
+spawned rank 1. Each transport runs one warm-up sync, then ``--repeats``
+measured ones (median shown). ``memcpy`` is a ``copy_`` of the same number
+of bytes into an already-touched buffer, measured in the same run. GB/s
+counts the model's bytes once (10^9 bytes per GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from transport_bench import _aiter, _free_port, _options  # noqa: E402  (reused: same transports, same options)
+
+ALL_TRANSPORTS = ("inprocess", "shm", "dist")
+DEADLINE_S = 900.0
+SIZES: dict[str, dict[str, int]] = {
+    # Qwen2.5-0.5B: 494M parameters (tied embeddings), 1.98 GB in fp32
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936),
+    "100m": dict(hidden_size=512, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=65536),
+    "10m": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=8192),
+}
+
+
+def build_model(size: str, *, seed: int | None) -> torch.nn.Module:
+    """A Qwen2 causal LM of ``size`` on CPU; random weights when ``seed`` is given, zeros (pages touched) otherwise."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SIZES[size], tie_word_embeddings=True, torch_dtype="float32")
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()
+    gen = torch.Generator().manual_seed(seed or 0)
+    with torch.no_grad():
+        for t in model.state_dict(keep_vars=True).values():
+            if seed is None:
+                t.zero_()
+            else:
+                t.uniform_(-0.05, 0.05, generator=gen)
+    return model.eval()
+
+
+def export_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's export list: ``state_dict`` order, tied tensors under their first name only."""
+    seen: set[int] = set()
+    out = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append((name, t.detach()))
+    return out
+
+
+# ------------------------------------------------------------------ digest timing
+
+
+class DigestClock:
+    """Wall seconds spent inside the outermost digest calls (patched onto whichever digest functions exist)."""
+
+    NAMES = (
+        ("asyncflow_core.types.weights", "buffer_checksum"),
+        ("asyncflow_core.types.weights", "weight_digest"),
+        ("asyncflow_core.types.weights", "weight_digests"),
+        ("asyncflow_plugins.weight_transports.manifest", "checksum"),
+        ("asyncflow_plugins.weight_transports.manifest", "verify_all"),
+        ("asyncflow_plugins.weight_transports.shm", "verify_all"),
+        ("asyncflow_plugins.weight_transports.dist", "verify_all"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def install(self) -> None:
+        import importlib
+
+        for module_name, attr in self.NAMES:
+            module = importlib.import_module(module_name)
+            fn = getattr(module, attr, None)
+            if fn is not None and not getattr(fn, "_clocked", False):
+                setattr(module, attr, self._wrap(fn))
+
+    def _wrap(self, fn):
+        @functools.wraps(fn)
+        def clocked(*args, **kwargs):
+            depth = getattr(self._local, "depth", 0)
+            self._local.depth = depth + 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._local.depth = depth
+                if depth == 0:
+                    with self._lock:
+                        self.seconds += time.perf_counter() - start
+
+        clocked._clocked = True  # type: ignore[attr-defined]
+        return clocked
+
+    def take(self) -> float:
+        with self._lock:
+            s, self.seconds = self.seconds, 0.0
+        return s
+
+
+# ------------------------------------------------------------------ the engine side
+
+
+async def load_into(params: dict[str, torch.Tensor], version: int, buckets: list) -> None:
+    """What the torch rollout engine's ``update_weights`` does: check the whole update, then copy in place."""
+    from asyncflow_core.types import ModelTensors, collect_update
+
+    checked = await collect_update(version, _aiter(buckets), model=ModelTensors.of(params))
+    with torch.no_grad():
+        for bucket in checked:
+            for name, tensor in bucket.tensors():
+                params[name].copy_(tensor)
+
+
+def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], conn) -> None:
+    """Spawned engine: receive each version (verified in ``receive``), load it, report times."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from asyncflow_core.plugins import get_plugin_manager
+
+    clock = DigestClock()
+    clock.install()
+    model = build_model(size, seed=None)
+    params = dict(model.state_dict(keep_vars=True))
+
+    async def main() -> None:
+        t = get_plugin_manager().create("weight_transport", kind, options)
+        conn.send("ready")
+        try:
+            for v in versions:
+                clock.take()
+                got = [b async for b in t.receive(min_version=v, deadline_s=DEADLINE_S)]
+                received = time.monotonic()
+                recv_digest = clock.take()
+                await load_into(params, v, got)
+                loaded = time.monotonic()
+                conn.send({"version": got[0].version, "received": received, "loaded": loaded,
+                           "digest_s": recv_digest + clock.take()})
+                del got
+            conn.recv()
+        finally:
+            await t.close()
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------ the trainer side
+
+
+async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: torch.nn.Module,
+                   clock: DigestClock) -> list[dict[str, float]]:
+    from asyncflow_core.plugins import get_plugin_manager
+    from asyncflow_core.types import pack_buckets
+
+    versions = list(range(1, repeats + 2))  # the first is a warm-up
+    port = _free_port()
+    name = f"wsync.{os.getpid()}"
+    proc = conn = None
+    params = None
+    if kind == "inprocess":
+        params = dict(build_model(size, seed=None).state_dict(keep_vars=True))
+    else:
+        ctx = mp.get_context("spawn")
+        conn, child = ctx.Pipe()
+        options = _options(kind, rank=1, port=port, name=name, disk_dir="")
+        proc = ctx.Process(target=_engine, args=(kind, options, size, versions, child))
+        proc.start()
+    sender = get_plugin_manager().create("weight_transport", kind,
+                                         _options(kind, rank=0, port=port, name=name, disk_dir=""))
+    tensors = export_tensors(trainer)
+    rows = []
+    try:
+        if conn is not None:
+            await asyncio.to_thread(conn.recv)
+        for version in versions:
+            with torch.no_grad():  # a train step changes the weights between syncs
+                tensors[0][1].add_(1e-3)
+            clock.take()
+            start = time.monotonic()
+            buckets = list(pack_buckets(tensors, version=version, bucket_bytes=bucket_mb << 20))
+            exported = time.monotonic()
+            digest = clock.take()
+            await sender.send(_aiter(buckets), deadline_s=DEADLINE_S)
+            if conn is None:
+                got = [b async for b in sender.receive(min_version=version, deadline_s=DEADLINE_S)]
+                received = time.monotonic()
+                await load_into(params, version, got)
+                loaded = time.monotonic()
+                digest += clock.take()
+                del got
+            else:
+                reply = await asyncio.to_thread(conn.recv)
+                assert reply["version"] == version, (reply, version)
+                received, loaded = reply["received"], reply["loaded"]
+                digest += clock.take() + reply["digest_s"]
+            del buckets
+            rows.append({"export_s": exported - start, "transfer_s": received - exported, "load_s": loaded - received,
+                         "digest_s": digest, "total_s": loaded - start})
+        if conn is not None:
+            conn.send("close")
+    finally:
+        await sender.close()
+        if proc is not None:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    if params is not None:
+        check = dict(tensors)
+        name0 = tensors[-1][0]
+        assert torch.equal(params[name0], check[name0]), "the engine's weights differ from the trainer's"
+    return rows[1:]
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(max(repeats, 3)):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int) -> dict:
+    clock = DigestClock()
+    clock.install()
+    trainer = build_model(size, seed=1)
+    nbytes = sum(t.numel() * t.element_size() for _, t in export_tensors(trainer))
+    memcpy = memcpy_seconds(nbytes, repeats)
+    rows = [{"transport": "memcpy", "seconds": memcpy, "gb_per_s": nbytes / memcpy / 1e9}]
+    for kind in transports:
+        measured = asyncio.run(_measure(kind, size, repeats, bucket_mb, trainer, clock))
+        row: dict[str, Any] = {"transport": kind}
+        for key in ("export_s", "digest_s", "transfer_s", "load_s", "total_s"):
+            row[key] = statistics.median(r[key] for r in measured)
+        row["seconds"] = row["total_s"]
+        row["gb_per_s"] = nbytes / row["total_s"] / 1e9
+        row["all_total_s"] = [r["total_s"] for r in measured]
+        rows.append(row)
+    return {
+        "benchmark": "weight_sync",
+        "size": size,
+        "bytes": nbytes,
+        "repeats": repeats,
+        "bucket_mb": bucket_mb,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "omp_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "results": rows,
+    }
+
+
+def print_table(report: dict) -> None:
+    m = report["machine"]
+    print(f"weight sync: Qwen2 {report['size']} shape, {report['bytes'] / 1e9:.2f} GB fp32, buckets of "
+          f"{report['bucket_mb']} MiB, median of {report['repeats']}; {m['cpus']} CPUs, torch {m['torch']}")
+    print(f"{'transport':<10} {'export':>7} {'digest':>7} {'transfer':>9} {'load':>7} {'total s':>8} {'GB/s':>6}")
+    for r in report["results"]:
+        if r["transport"] == "memcpy":
+            print(f"{'memcpy':<10} {'':>7} {'':>7} {'':>9} {'':>7} {r['seconds']:>8.3f} {r['gb_per_s']:>6.2f}")
+            continue
+        print(f"{r['transport']:<10} {r['export_s']:>7.3f} {r['digest_s']:>7.3f} {r['transfer_s']:>9.3f} "
+              f"{r['load_s']:>7.3f} {r['total_s']:>8.3f} {r['gb_per_s']:>6.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="Print one JSON object instead of a table.")
+    parser.add_argument("--size", default="0.5b", choices=sorted(SIZES), help="Model shape (Qwen2).")
+    parser.add_argument("--repeats", type=int, default=2, help="Measured syncs per transport (median shown).")
+    parser.add_argument("--transports", default=",".join(ALL_TRANSPORTS), help="Which transports to run.")
+    parser.add_argument("--bucket-mb", type=int, default=64, help="Bucket size of the export.")
+    args = parser.parse_args(argv)
+    transports = [t for t in args.transports.split(",") if t]
+    unknown = set(transports) - set(ALL_TRANSPORTS)
+    if unknown:
+        parser.error(f"unknown transports {sorted(unknown)}; choose from {ALL_TRANSPORTS}")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    report = run_bench(transports, args.size, args.repeats, args.bucket_mb)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
