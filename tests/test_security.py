@@ -327,12 +327,10 @@ _ALLOWED = {
     ("asyncflow_core/launchers/ray/ranks.py", "pickle.loads"): (
         1, "a rank actor decodes the reply its own rank thread wrote into an in-process pipe (both ends in one "
            "process, no socket, no address); what reaches the actor is a Ray call from the trainer actor that owns it"),
-    ("adapters/fsdp/asyncflow_fsdp/worker.py", "pickle.loads"): (
-        2, "a rank reads commands (and the pickled algorithm) from the anonymous pipe to the driver that started it "
-           "(as a Ray rank actor: from the in-process pipe its actor feeds with the owning trainer actor's calls)"),
-    ("adapters/megatron/asyncflow_megatron/worker.py", "pickle.loads"): (
-        2, "the same pipes as fsdp: its driver starts the ranks with the core's rank group "
-           "(asyncflow_core.launchers.ranks)"),
+    ("asyncflow_core/launchers/rank_worker.py", "pickle.loads"): (
+        2, "a rank (fsdp, megatron) reads commands (and the pickled algorithm) from the anonymous pipe to the driver "
+           "that started it with the core's rank group (as a Ray rank actor: from the in-process pipe its actor "
+           "feeds with the owning trainer actor's calls)"),
     ("asyncflow_core/launchers/ray/actors.py", "pickle.loads"): (
         1, "a round trip of bytes the actor itself just produced with pickle.dumps (does this exception survive "
            "Ray's own serialisation?); nothing received is decoded"),

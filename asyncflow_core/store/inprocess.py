@@ -31,12 +31,13 @@ from asyncflow_core.store.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
+from asyncflow_core.store.deployments.features import INPROCESS_FEATURES
 from asyncflow_core.store.storage import StorageUnit
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 T = TypeVar("T")
 
-FEATURES = StoreFeatures(deployment="inprocess", zero_copy_get=False, supports_checkpoint=True)
+FEATURES = INPROCESS_FEATURES
 
 
 class InProcessStoreConfig(StoreOptions):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncflow_core.interfaces.features import StoreFeatures
+from asyncflow_core.store.deployments.features import INPROCESS_FEATURES
 from asyncflow_core.plugins import StoreBackend, hookimpl
 
 
@@ -27,5 +27,5 @@ def asyncflow_stores():
         factory=_make_inprocess,
         config_model=_config_model(),
         description="Controller and storage in the caller's process: the embedded default, no server.",
-        features=StoreFeatures(deployment="inprocess", zero_copy_get=False, supports_checkpoint=True),
+        features=INPROCESS_FEATURES,
     )

@@ -22,11 +22,11 @@ from asyncflow_core import columns as C
 from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.errors import EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Algorithm, TrainEngine, TrainFeatures
+from asyncflow_core.launchers.packing import StepPlan, plan_step
 from asyncflow_core.launchers.rank_driver import RankEngineDriver, reassemble, select_rows
 from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_rank_group
 from asyncflow_core.types import Batch
 from asyncflow_fsdp.config import FSDPTrainConfig
-from asyncflow_fsdp.packing import StepPlan, plan_step
 
 #: imported by the forkserver once, so that forking a rank costs milliseconds instead of a torch import
 FORKSERVER_PRELOAD = ("asyncflow_fsdp.worker",)

@@ -75,12 +75,13 @@ def meta_init_report(rank: int, world_size: int, directory: str, model: dict[str
     from torch.distributed.fsdp import fully_shard
 
     from asyncflow_core.config.models import ModelConfig
+    from asyncflow_core.launchers.rank_worker import loopback_interface
     from asyncflow_fsdp.init import materialize_from_rank0, meta_skeleton
-    from asyncflow_fsdp.worker import _decoder_blocks, _loopback_interface
+    from asyncflow_fsdp.worker import _decoder_blocks
     from asyncflow_plugins.hf.model import build_causal_lm
 
     torch.set_num_threads(1)
-    lo = _loopback_interface()
+    lo = loopback_interface()
     if lo is not None:  # gloo's sockets on loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
     store = dist.FileStore(str(Path(directory) / "store"), world_size)

@@ -11,8 +11,8 @@ into micro-batches, sends every rank its replica's share, and waits for all
 of them off the event loop.
 
 Ranks are started and watched by the core's rank group
-(:mod:`asyncflow_core.launchers.ranks`); rows are planned by the FSDP
-adapter's :func:`plan_step` (framework-neutral).
+(:mod:`asyncflow_core.launchers.ranks`); rows are planned by the core's
+:func:`~asyncflow_core.launchers.packing.plan_step`, as for every rank-group engine.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Algorithm, TrainEngine, TrainFeatures
+from asyncflow_core.launchers.packing import StepPlan, plan_step
 from asyncflow_core.launchers.rank_driver import RankEngineDriver, reassemble, select_rows
 from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_rank_group
 from asyncflow_core.types import Batch
-from asyncflow_fsdp.packing import StepPlan, plan_step
 from asyncflow_megatron import hf_mapping as hm
 from asyncflow_megatron.checkpoint import load_problem
 from asyncflow_megatron.config import MegatronTrainConfig

@@ -78,10 +78,10 @@ def distributed_optimizer_phase(phase: str, directory: str, lr: float = 1e-2) ->
     from pathlib import Path
 
     import megatron.core.optimizer as mopt
-    from asyncflow_fsdp.packing import plan_step
 
     from asyncflow_core import columns as C
     from asyncflow_core.interfaces import LossContext
+    from asyncflow_core.launchers.packing import plan_step
     from asyncflow_core.plugins import get_plugin_manager
     from asyncflow_core.types import Batch, RaggedTensor
     from asyncflow_megatron.config import MegatronTrainConfig

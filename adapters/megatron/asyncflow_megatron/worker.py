@@ -7,22 +7,15 @@ a data-parallel replica the same rows; every rank then runs the same
 megatron-core collectives in the same order (the pipeline schedule, the
 gradient reduce-scatter and parameter all-gather of the distributed
 optimizer, the export gathers, dist_checkpointing's exchange) and answers.
-Messages are ``pickle`` over a private ``multiprocessing`` pipe between the
-driver and the processes it started.
+The protocol (pipe, rendezvous, shared-memory export, checkpoint frame) is
+the core's :mod:`asyncflow_core.launchers.rank_worker`; this module holds
+what Megatron does.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import multiprocessing
-import os
-import pickle
-import shutil
-import socket
-import traceback
-from datetime import timedelta
-from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +25,13 @@ import torch.distributed as dist
 
 from asyncflow_core import columns as C
 from asyncflow_core.interfaces import LossContext
-from asyncflow_core.types import Batch, RaggedTensor, pack_buckets
+from asyncflow_core.launchers import rank_worker as rw
+from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_core.types.sampling import sampling_logprobs
-from asyncflow_fsdp.devices import rank_device
 from asyncflow_megatron import checkpoint as mc
 from asyncflow_megatron import hf_mapping as hm
 from asyncflow_megatron.config import MegatronTrainConfig
 
-CHECKPOINT_FORMAT = "asyncflow-megatron/1"
-META_FILE = "asyncflow_megatron.json"  #: written last by save(): its presence marks a complete checkpoint
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PAD_ID = 0  #: filler after each row; never attended to by a real token (causal attention)
 
 
@@ -53,32 +41,7 @@ def rank_main(rank: int, world_size: int, conn: Any, options: dict[str, Any]) ->
     # This only changes what this process may do: the driver still reaps it (RankGroup.stop), and it exits
     # when the driver's pipe closes.
     multiprocessing.current_process().daemon = False
-    worker = RankWorker(rank, world_size, MegatronTrainConfig.model_validate(options))
-    try:
-        while True:
-            try:
-                op, payload = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):
-                return  # the driver is gone: nothing left to serve
-            if op == "shutdown":
-                worker.close()
-                conn.send_bytes(pickle.dumps(("ok", None)))
-                return
-            try:
-                reply = ("ok", getattr(worker, f"op_{op}")(payload))
-            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the driver with its reason
-                reply = ("error", (type(exc).__name__, str(exc), traceback.format_exc()))
-            conn.send_bytes(pickle.dumps(reply))
-    finally:
-        worker.close()
-
-
-def _loopback_interface() -> str | None:
-    names = [name for _, name in socket.if_nameindex()]
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return None
+    rw.serve(RankWorker(rank, world_size, MegatronTrainConfig.model_validate(options)), conn)
 
 
 class _Layout:
@@ -106,15 +69,14 @@ class _Layout:
         self.lengths = r_len
 
 
-class RankWorker:
+class RankWorker(rw.RankWorkerBase):
     """State of one rank: process groups, its GPTModel stage (wrapped in Megatron DDP), optimizer."""
 
+    engine_name = "megatron"
+    config: MegatronTrainConfig
+
     def __init__(self, rank: int, world_size: int, config: MegatronTrainConfig) -> None:
-        self.rank = rank
-        self.world_size = world_size
-        self.config = config
-        self.device = torch.device("cpu")
-        self._listen_fd: int | None = None
+        super().__init__(rank, world_size, config)
         self.arch: hm.Architecture | None = None
         self.model: Any = None  # megatron DistributedDataParallel around the GPTModel stage
         self.optimizer: Any = None
@@ -126,44 +88,20 @@ class RankWorker:
 
     # -- start ------------------------------------------------------------------
 
-    def op_bind(self, _payload: Any) -> int | None:
-        """Rank 0 binds the rendezvous socket on 127.0.0.1 (a free port, no race) and says which port."""
-        if self.rank != 0:
-            return None
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        # the TCPStore polls this fd for the life of the process: detach so Python never closes it under the store
-        self._listen_fd = listener.detach()
-        return port
-
     def op_setup(self, payload: dict[str, Any]) -> dict[str, Any]:
         """Join the group on loopback, set up parallel state, build the stage, load weights, DDP, optimizer."""
         c = self.config
         cpu = c.device == "cpu"
         if cpu:
-            torch.set_num_threads(c.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // self.world_size))
+            self.set_cpu_threads()
             from asyncflow_megatron import cpu as cpu_patch
 
             cpu_patch.enable()
         else:
-            self.device = rank_device(self.rank, torch.cuda.device_count())
+            self.device = rw.rank_device(self.rank, torch.cuda.device_count())
             torch.cuda.set_device(self.device)  # before anything allocates on CUDA (NCCL's communicator too)
-        lo = _loopback_interface()
-        if lo is not None:  # gloo's and NCCL's own sockets on loopback too, not only the rendezvous
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
-        timeout = timedelta(seconds=c.timeout_s)
-        port = int(payload["port"])
-        if self.rank == 0:
-            store = dist.TCPStore("127.0.0.1", port, self.world_size, True, timeout=timeout,
-                                  master_listen_fd=self._listen_fd, use_libuv=False)
-        else:
-            store = dist.TCPStore("127.0.0.1", port, self.world_size, False, timeout=timeout, use_libuv=False)
         backend = "gloo" if cpu else "nccl"
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout)
+        self.join_group(int(payload["port"]), backend)
 
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
@@ -188,7 +126,7 @@ class RankWorker:
         arch = hm.architecture_from_hf(self._hf_config)
         self.arch = arch
         self.impl = resolve_impl(c.transformer_impl, self.device.type)
-        params_dtype = torch.float32 if cpu else DTYPES[c.params_dtype]
+        params_dtype = torch.float32 if cpu else rw.DTYPES[c.params_dtype]
         tconfig = TransformerConfig(**transformer_config_kwargs(
             arch, tp=self.tp, pp=self.pp, sequence_parallel=c.sequence_parallel, params_dtype=params_dtype, cpu=cpu,
             recompute=c.recompute_activations))
@@ -302,15 +240,10 @@ class RankWorker:
         batch: Batch = payload["batch"]
         parts: list[torch.Tensor] = payload["micro_batches"]
         ctx: LossContext = payload["ctx"]
-        try:
-            algorithm = pickle.loads(payload["algorithm"])
-        except Exception as exc:
-            raise ValueError(f"the algorithm could not be rebuilt in the rank process ({exc}); define its class "
-                             "in an importable module (ranks re-import the driver's __main__ as multiprocessing's "
-                             "spawn does, so guard scripts with `if __name__ == '__main__':`)") from exc
+        algorithm = rw.load_algorithm(payload["algorithm"])
         empty = not parts
         # a replica without rows still runs one pass (zero loss): the data-parallel gradient reduction is collective
-        micro = [batch.select(p) for p in parts] if parts else [_EMPTY_PASS]
+        micro = [batch.select(p) for p in parts] if parts else [rw.EMPTY_PASS]
         stats = {"loss_sum": 0.0, "tokens": 0, "weighted": {}}
 
         def loss_func(_index: int, mb: Batch, lay: _Layout, logits: torch.Tensor) -> Any:
@@ -344,11 +277,6 @@ class RankWorker:
 
     # -- export -----------------------------------------------------------------
 
-    def _export_dtype(self) -> torch.dtype:
-        c = self.config
-        name = c.export_dtype if c.export_dtype != "auto" else (c.model.dtype if c.model else "float32")
-        return DTYPES[name]
-
     def _full_megatron_names(self) -> list[tuple[str, int]]:
         """Every full Megatron parameter name with the stage that holds it, in Hugging Face export order."""
         assert self.arch is not None
@@ -374,19 +302,11 @@ class RankWorker:
         assert self.arch is not None
         bucket_bytes: int = payload["bucket_bytes"]
         itemsize = self._export_dtype().itemsize
-        chunks: list[list[str]] = []
-        current: list[str] = []
-        size = 0
-        for name, _stage in self._full_megatron_names():
-            nbytes = sum(_align(n * itemsize) for n in _hf_numels(name, self.arch))
-            if current and size + nbytes > bucket_bytes:
-                chunks.append(current)
-                current, size = [], 0
-            current.append(name)
-            size += nbytes
-        chunks.append(current)
-        self._export_chunks = chunks
-        return len(chunks)
+        arch = self.arch
+        sizes = ((name, sum(rw.aligned(n * itemsize) for n in _hf_numels(name, arch)))
+                 for name, _stage in self._full_megatron_names())
+        self._export_chunks = rw.plan_chunks(sizes, bucket_bytes)
+        return len(self._export_chunks)
 
     def _local_param(self, full_name: str) -> torch.Tensor:
         assert self.arch is not None
@@ -445,14 +365,7 @@ class RankWorker:
         named = self._gather_chunk(payload["index"])
         if named is None:
             return None
-        out = []
-        for bucket in pack_buckets(named, version=payload["version"], bucket_bytes=payload["bucket_bytes"]):
-            out.append({"metas": bucket.metas, "checksum": bucket.checksum, "nbytes": bucket.nbytes,
-                        "shm": _to_shared_memory(bucket.buffer)})
-        return out
-
-    def op_export_done(self, _payload: Any) -> None:
-        self._export_chunks = []
+        return self.ship_buckets(named, payload)
 
     def op_export_hf(self, payload: dict[str, Any]) -> None:
         """Every tensor gathered to rank 0 (as in export_weights), written as safetensors + config.json."""
@@ -473,11 +386,7 @@ class RankWorker:
             cfg.architectures = [_ARCHITECTURES[self.arch.model_type]]  # type: ignore[union-attr]
             cfg.dtype = str(self._export_dtype()).removeprefix("torch.")
             cfg.save_pretrained(str(path))
-            source = self.config.model.path if self.config.model else None
-            if source:  # keep the tokenizer next to the weights so the directory is a complete checkpoint
-                for name in TOKENIZER_FILES:
-                    if (Path(source) / name).is_file():
-                        shutil.copy2(Path(source) / name, path / name)
+            self.copy_tokenizer(path)
         dist.barrier()
 
     # -- checkpoints ------------------------------------------------------------
@@ -499,28 +408,19 @@ class RankWorker:
             dist_checkpointing.save(self._sharded_state(), str(ckpt))
         finally:
             _stop_checkpoint_writer()
-        rng = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        torch.save(rng, path / f"rng_rank{self.rank}.pt")
-        dist.barrier()
-        if self.rank == 0:
-            meta = {"format": CHECKPOINT_FORMAT, "version": payload["version"], "world_size": self.world_size,
-                    "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
-                    "architecture": self.arch.model_type if self.arch else None,
-                    "megatron_names": "transformer_engine" if self.impl == "transformer_engine" else "local",
-                    "optimizer_format": mc.optimizer_format(self.config.use_distributed_optimizer)}
-            tmp = path / (META_FILE + ".tmp")
-            tmp.write_text(json.dumps(meta, indent=2))
-            tmp.replace(path / META_FILE)
-        dist.barrier()
+        self.finish_save(path, {
+            "version": payload["version"], "world_size": self.world_size,
+            "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+            "architecture": self.arch.model_type if self.arch else None,
+            "megatron_names": "transformer_engine" if self.impl == "transformer_engine" else "local",
+            "optimizer_format": mc.optimizer_format(self.config.use_distributed_optimizer)})
 
     def op_load(self, payload: dict[str, Any]) -> int:
         """Restore a checkpoint written by :meth:`op_save`; returns its version."""
         from megatron.core import dist_checkpointing
 
         path = Path(payload["path"])
-        meta = json.loads((path / META_FILE).read_text())
+        meta = self.read_meta(path)
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(path / "dist_ckpt"))
         # no autograd: the distributed optimizer copies into float32 main shards that are views of the parameters
         with torch.no_grad():
@@ -528,19 +428,9 @@ class RankWorker:
             steps = mc.checkpoint_steps(self.optimizer, state["optimizer"])
             self.optimizer.load_state_dict(state["optimizer"])
             mc.restore_torch_adam_steps(self.optimizer, steps)
-        rng_file = path / f"rng_rank{self.rank}.pt"
-        if meta.get("world_size") == self.world_size and rng_file.exists():
-            rng = torch.load(rng_file, weights_only=True)
-            torch.set_rng_state(rng["cpu"])
-            if "cuda" in rng and self.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["cuda"], self.device)
-        dist.barrier()
-        return int(meta["version"])
+        return self.finish_load(path, meta)
 
     # -- misc -------------------------------------------------------------------
-
-    def op_ping(self, _payload: Any) -> int:
-        return os.getpid()
 
     def close(self) -> None:
         if dist.is_available() and dist.is_initialized():
@@ -548,16 +438,9 @@ class RankWorker:
                 from megatron.core import parallel_state as ps
 
                 ps.destroy_model_parallel()
-            except Exception:  # noqa: BLE001 - tearing down; the driver reaps us anyway
+            except Exception:  # noqa: BLE001, S110 - tearing down; the driver reaps us anyway
                 pass
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
-
-
-_EMPTY_PASS = Batch({C.PROMPT_IDS: RaggedTensor.from_sequences([[0]]),
-                     C.RESPONSE_IDS: RaggedTensor.from_sequences([[0]])})
+        super().close()
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}
@@ -624,23 +507,3 @@ def _hf_numels(name: str, arch: hm.Architecture) -> list[int]:
     if name.endswith("mlp.linear_fc1.weight"):
         return [arch.ffn_hidden_size * h] * 2
     return [int(np.prod(_megatron_shape(name, arch)))]
-
-
-def _align(n: int) -> int:
-    from asyncflow_core.types.weights import BUCKET_ALIGNMENT
-
-    return (n + BUCKET_ALIGNMENT - 1) // BUCKET_ALIGNMENT * BUCKET_ALIGNMENT
-
-
-def _to_shared_memory(buffer: torch.Tensor) -> str:
-    """Copy a bucket buffer into a new shared-memory segment; the driver copies it out and unlinks it."""
-    n = buffer.numel()
-    shm = shared_memory.SharedMemory(create=True, size=max(n, 1))
-    # the driver owns the segment from here on (it unlinks it): keep this process's tracker from unlinking it too
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    view = np.ndarray((n,), dtype=np.uint8, buffer=shm.buf)
-    view[:] = buffer.detach().cpu().numpy()
-    del view
-    name = shm.name
-    shm.close()
-    return name

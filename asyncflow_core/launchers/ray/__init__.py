@@ -8,6 +8,10 @@ stages run unchanged. Every proxy watches its actor with heartbeats that have
 deadlines: see docs/launchers.md for what happens when one dies.
 
 Modules: :mod:`.config` (the options, no Ray import), :mod:`.actors` (what
-runs inside the actors), :mod:`.remote` (the driver-side proxies),
-:mod:`.launcher` (starting Ray, placement groups, the launcher itself).
+runs inside the actors), :mod:`.watch` (an actor and its heartbeat, seen from
+the driver), :mod:`.remote` (the driver-side proxies), the weight path
+(:mod:`.handles` what the driver stages, :mod:`.weight_actors` the actors'
+side, :mod:`.weights` the driver's side), :mod:`.ranks` (trainer ranks as
+actors), :mod:`.launcher` (starting Ray, placement groups, the launcher
+itself). Imports go one way: watch and handles import no other module here.
 """

@@ -46,7 +46,7 @@ class RolloutActor:
     """
 
     def __init__(self, factory: Any, options: Any) -> None:
-        from asyncflow_core.launchers.ray.weights import WeightReceiver
+        from asyncflow_core.launchers.ray.weight_actors import WeightReceiver
 
         self.engine = factory(options)
         self.calls: dict[int, asyncio.Queue] = {}
@@ -214,7 +214,7 @@ class TrainActor:
     def _weight_sender(self) -> Any:
         sender = getattr(self, "_sender", None)
         if sender is None:
-            from asyncflow_core.launchers.ray.weights import WeightSender
+            from asyncflow_core.launchers.ray.weight_actors import WeightSender
 
             sender = self._sender = WeightSender(self.engine)
         return sender

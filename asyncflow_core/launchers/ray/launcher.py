@@ -30,13 +30,8 @@ from asyncflow_core.flow.stage import RunStopped
 from asyncflow_core.interfaces import Launcher
 from asyncflow_core.launchers.ray.actors import RewardActor, RolloutActor, TrainActor
 from asyncflow_core.launchers.ray.config import RayLauncherConfig
-from asyncflow_core.launchers.ray.remote import (
-    RemoteRewardPool,
-    RemoteRolloutEngine,
-    RemoteTrainEngine,
-    RoleLost,
-    WatchedActor,
-)
+from asyncflow_core.launchers.ray.remote import RemoteRewardPool, RemoteRolloutEngine, RemoteTrainEngine
+from asyncflow_core.launchers.ray.watch import RoleLost, WatchedActor
 from asyncflow_core.launchers.ray.weights import RayWeights
 
 log = logging.getLogger("asyncflow.ray")

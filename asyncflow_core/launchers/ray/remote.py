@@ -14,7 +14,8 @@ deadline, so nothing waits forever on a dead or hung actor:
 
 Both errors are :class:`~asyncflow_core.errors.EngineError`: the rollout
 stage treats them like any engine failure (the replica is marked dead, its
-requests are re-queued) and then asks the proxy to :meth:`restart`.
+requests are re-queued) and then asks the proxy to :meth:`restart`. The
+watching itself (:class:`WatchedActor`, the errors) is :mod:`.watch`.
 """
 
 from __future__ import annotations
@@ -23,151 +24,25 @@ import asyncio
 import itertools
 import logging
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from asyncflow_core.errors import EngineError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, TrainEngine
-from asyncflow_core.launchers.ray.weights import RayWeights, WeightHandle
+from asyncflow_core.launchers.ray.handles import WeightHandle
+from asyncflow_core.launchers.ray.watch import RoleLost, RoleTimeout, WatchedActor, short_reason
 from asyncflow_core.types import GenerationRequest, GenerationResult, RewardInput, WeightBucket
+
+if TYPE_CHECKING:
+    from asyncflow_core.launchers.ray.weights import RayWeights
 
 log = logging.getLogger("asyncflow.ray")
 
 #: a generate poll returns after this long with whatever finished (empty is fine); bounded so death shows quickly
 POLL_S = 1.0
-
-
-class RoleLost(EngineError):
-    """A role's actor died or stopped answering; ``role`` says which (``rollout/0``, ``trainer``, ``reward/1``)."""
-
-    def __init__(self, role: str, reason: str) -> None:
-        super().__init__(f"{role} actor lost: {reason}")
-        self.role = role
-        self.reason = reason
-
-
-class RoleTimeout(RoleLost):
-    """A call to a role's actor ran past its deadline; the actor was killed."""
-
-
-class WatchedActor:
-    """One actor plus its heartbeat; ``call`` never outlives the actor or its deadline."""
-
-    def __init__(self, role: str, make: Callable[[], Any], *, heartbeat_s: float, heartbeat_timeout_s: float,
-                 on_lost: Callable[[RoleLost], None] | None = None) -> None:
-        self.role = role
-        self._make = make
-        self.heartbeat_s = heartbeat_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.on_lost = on_lost
-        self.actor: Any = None
-        self.lost: RoleLost | None = None
-        self._lost_event: asyncio.Event | None = None
-        self._beat: asyncio.Task | None = None
-        self.spawn()
-
-    def spawn(self) -> None:
-        """(Re)create the actor; the heartbeat starts with the first call made on an event loop."""
-        self.actor = self._make()
-        self.lost = None
-        self._lost_event = None
-        if self._beat is not None:
-            self._beat.cancel()
-            self._beat = None
-
-    def _event(self) -> asyncio.Event:
-        if self._lost_event is None:
-            self._lost_event = asyncio.Event()
-            if self.lost is not None:
-                self._lost_event.set()
-        if self._beat is None and self.lost is None:
-            self._beat = asyncio.ensure_future(self._heartbeat())
-        return self._lost_event
-
-    def declare_lost(self, err: RoleLost) -> None:
-        if self.lost is not None:
-            return
-        self.lost = err
-        if self._lost_event is not None:
-            self._lost_event.set()
-        log.error("%s", err)
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception as exc:  # noqa: BLE001 - already gone
-            log.debug("%s: kill: %s", self.role, exc)
-        if self.on_lost is not None:
-            self.on_lost(err)
-
-    async def call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """``actor.method(*args)``; raises :class:`RoleLost` / :class:`RoleTimeout`, or the backend's own error."""
-        lost_event = self._event()
-        if self.lost is not None:
-            raise self.lost
-        ref = getattr(self.actor, method).remote(*args)
-        reply = asyncio.ensure_future(_resolve(ref))
-        reply.add_done_callback(_retrieve)  # a reply that loses the race to a death still gets its error read
-        lost = asyncio.ensure_future(lost_event.wait())
-        try:
-            done, _ = await asyncio.wait({reply, lost}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            lost.cancel()
-        if reply in done:
-            try:
-                return reply.result()
-            except ray.exceptions.RayActorError as exc:
-                self.declare_lost(RoleLost(self.role, f"its process died ({_short(exc)})"))
-                raise self.lost from None  # type: ignore[misc]
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(exc.cause, BaseException) else exc
-                raise cause from None
-        reply.cancel()
-        if self.lost is None and not done:
-            self.declare_lost(RoleTimeout(self.role, f"{method}() did not return within its deadline of {timeout}s"))
-        assert self.lost is not None
-        raise self.lost
-
-    async def _heartbeat(self) -> None:
-        try:
-            while self.lost is None:
-                await asyncio.sleep(self.heartbeat_s)
-                if self.lost is not None:
-                    return
-                try:
-                    await asyncio.wait_for(_resolve(self.actor.health.remote()), self.heartbeat_timeout_s)
-                except TimeoutError:
-                    self.declare_lost(RoleLost(self.role, f"no heartbeat answer within {self.heartbeat_timeout_s}s"))
-                except ray.exceptions.RayActorError as exc:
-                    self.declare_lost(RoleLost(self.role, f"its process died ({_short(exc)})"))
-                except Exception as exc:  # noqa: BLE001 - the backend's health() raised: it is alive, the stage decides
-                    log.debug("%s: health() raised %s", self.role, exc)
-        except asyncio.CancelledError:
-            pass
-
-    def kill(self) -> None:
-        if self._beat is not None:
-            self._beat.cancel()
-            self._beat = None
-        try:
-            ray.kill(self.actor, no_restart=True)
-        except Exception as exc:  # noqa: BLE001 - already gone
-            log.debug("%s: kill: %s", self.role, exc)
-
-
-async def _resolve(ref: Any) -> Any:
-    return await ref
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
 
 
 class _Description:
@@ -188,7 +63,7 @@ class _Description:
             try:
                 self._value = ray.get(self._ref, timeout=self.watched.heartbeat_timeout_s * 5)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                raise RoleLost(self.watched.role, f"it did not start ({_short(exc)})") from None
+                raise RoleLost(self.watched.role, f"it did not start ({short_reason(exc)})") from None
         return self._value
 
     async def fetch(self) -> dict[str, Any]:
@@ -211,7 +86,7 @@ class _Description:
 class RemoteRolloutEngine(RolloutEngine):
     """A :class:`RolloutEngine` whose engine lives in a Ray actor (see :class:`~.actors.RolloutActor`).
 
-    Weights arrive as :class:`~.weights.WeightHandle` s under
+    Weights arrive as :class:`~.handles.WeightHandle` s under
     ``launcher.options.weights`` ``object_store`` / ``dist`` (the actor fetches
     or has received the bytes; see :mod:`.weights`). Under ``driver`` they
     arrive as buckets held here, and go to the actor through the Ray object
@@ -508,3 +383,8 @@ class RemoteRewardPool:
     async def shutdown(self) -> None:
         for w in self.workers:
             w.kill()
+
+
+#: RoleLost, RoleTimeout and WatchedActor live in :mod:`.watch`; named here too, where the proxies' callers look
+__all__ = ["POLL_S", "RemoteRewardPool", "RemoteRolloutEngine", "RemoteTrainEngine", "RoleLost", "RoleTimeout",
+           "WatchedActor"]

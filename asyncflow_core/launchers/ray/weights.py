@@ -29,9 +29,9 @@ group (restarted after it was sent, or the group was re-formed before it
 loaded it) catches up over the object store: the trainer actor puts the
 version it holds and the replica fetches it.
 
-This module is imported by the driver *and* inside the actors
-(:class:`WeightSender`, :class:`WeightReceiver`); it imports Ray only where
-it puts or fetches objects.
+This module is the driver's side (:class:`RayWeights`); the actors' side is
+:mod:`.weight_actors`, the handles both sides pass :mod:`.handles`, the
+watched actors :mod:`.watch`. It imports Ray only where it asks the cluster.
 """
 
 from __future__ import annotations
@@ -40,250 +40,26 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Protocol
 
 from asyncflow_core.errors import WeightTransferError
-from asyncflow_core.interfaces import KVCachePolicy, StagedVersion, TransferReport, TransportFeatures, WeightTransport
-from asyncflow_core.types import TensorMeta, WeightBucket
-
-if TYPE_CHECKING:
-    from asyncflow_core.launchers.ray.remote import RemoteRolloutEngine, WatchedActor
+from asyncflow_core.interfaces import KVCachePolicy
+from asyncflow_core.launchers.ray.handles import DEFAULT_MODE, HandleTransport, WeightHandle, WeightsMode
+from asyncflow_core.launchers.ray.watch import WatchedActor
 
 log = logging.getLogger("asyncflow.ray")
 
-WeightsMode = Literal["object_store", "dist", "driver"]
-#: the default of ``launcher.options.weights`` (measured in benchmarks/ray_weights.py, see docs/performance.md)
-DEFAULT_MODE: WeightsMode = "object_store"
 #: how long a health probe of the rollout actors waits (a dead actor answers at once; a busy one is kept), and how
 #: often the actors of the group are probed while a broadcast runs
 LIVENESS_PROBE_S = 1.0
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightHandle:
-    """One bucket of a version, without its bytes: what the driver stages instead of a :class:`WeightBucket`.
+class WatchedReplica(Protocol):
+    """A rollout replica as the weight path sees it: a proxy holding its watched actor (``RemoteRolloutEngine``)."""
 
-    ``ref`` is the object-store reference of the whole :class:`WeightBucket`
-    (put by the trainer actor) or None when the bytes went to the replicas by
-    broadcast (``dist``; ``generation`` says which group carried them).
-    """
-
-    version: int
-    index: int
-    metas: tuple[TensorMeta, ...]
-    checksum: str
-    last: bool
-    nbytes: int
-    ref: Any = None
-    generation: int = 0
-
-    @classmethod
-    def of(cls, bucket: WeightBucket, ref: Any = None, generation: int = 0) -> WeightHandle:
-        return cls(bucket.version, bucket.index, tuple(bucket.metas), bucket.checksum, bucket.last, bucket.nbytes,
-                   ref, generation)
-
-
-class HandleTransport(WeightTransport):
-    """The driver's weight transport under ``weights: object_store | dist``: stages handles, never bytes.
-
-    It keeps the newest whole version only. Staging a newer one drops the
-    older handles, which releases their objects once no replica is loading
-    them (Ray keeps an object alive while a call that was given its
-    reference runs), and a replica that restarts later is given the newest.
-    Receivers get the handles unverified: there are no bytes here to check;
-    the replica's engine verifies every bucket it fetches against its checksum.
-    """
-
-    def __init__(self, mode: WeightsMode, on_close: Callable[[], Awaitable[None]] | None = None) -> None:
-        self.mode = mode
-        self._on_close = on_close  #: closes what carried the bytes (the dist group's ranks)
-        self._stage: StagedVersion[WeightHandle] = StagedVersion()
-
-    @property
-    def features(self) -> TransportFeatures:
-        return TransportFeatures(cross_process=True, cross_host=self.mode == "object_store", devices=("cpu", "cuda"))
-
-    @property
-    def staged_versions(self) -> list[int]:
-        """Versions whose handles this transport holds (at most one)."""
-        return [] if self._stage.version is None else [self._stage.version]
-
-    async def send(self, buckets: AsyncIterable[Any], *, deadline_s: float) -> TransferReport:
-        self._check_open()
-        start = time.perf_counter()
-        try:
-            async with asyncio.timeout(deadline_s):
-                received = [b async for b in buckets]
-        except TimeoutError:
-            raise WeightTransferError(f"weight send did not finish within its {deadline_s:g}s deadline") from None
-        stray = [type(b).__name__ for b in received if not isinstance(b, WeightHandle)]
-        if stray:
-            raise WeightTransferError(
-                f"launcher.options.weights={self.mode!r} stages weight handles, but the trainer sent {stray[0]}; "
-                "the trainer is not the ray launcher's (set launcher.options.weights=driver to carry buckets)"
-            )
-        version = await self._stage.stage(received)  # the older handles go: their objects are freed when unused
-        return TransferReport(version=version, buckets=len(received), bytes=sum(h.nbytes for h in received),
-                              seconds=time.perf_counter() - start)
-
-    async def receive(self, *, min_version: int = 0, deadline_s: float) -> AsyncIterator[WeightHandle]:
-        self._check_open()
-        _, handles = await self._stage.wait(min_version, deadline_s=deadline_s)
-        for handle in handles:
-            yield handle
-
-    async def close(self) -> None:
-        if self._stage.closed:
-            return
-        await self._stage.close()
-        if self._on_close is not None:
-            await self._on_close()
-
-    def _check_open(self) -> None:
-        if self._stage.closed:
-            raise WeightTransferError("the transport is closed")
-
-
-# --------------------------------------------------------------------------------- inside the actors
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _dist_transport(**options: Any) -> WeightTransport:
-    """The ``dist`` weight transport plugin (found through the plugin manager: core imports no plugin)."""
-    from asyncflow_core.plugins import get_plugin_manager
-
-    return get_plugin_manager().create("weight_transport", "dist", options)
-
-
-async def _aiter(items: Sequence[Any]) -> AsyncIterator[Any]:
-    for item in items:
-        yield item
-
-
-class WeightSender:
-    """The trainer actor's side: puts a version in the object store, or broadcasts it to the dist group."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.group: WeightTransport | None = None
-        self.generation = 0
-        self.last: list[WeightBucket] | None = None  #: the last version broadcast (for catch-ups over the store)
-        self._sending: asyncio.Task | None = None
-        self._abandoned: str | None = None  #: why the driver abandoned the send in flight
-
-    async def _export(self, bucket_bytes: int) -> list[WeightBucket]:
-        return [b async for b in self.engine.export_weights(bucket_bytes=bucket_bytes)]
-
-    async def put(self, bucket_bytes: int) -> list[WeightHandle]:
-        """Export the current version into the object store; one handle per bucket (the buffers stay here)."""
-        import ray
-
-        return [WeightHandle.of(b, ray.put(b)) for b in await self._export(bucket_bytes)]
-
-    async def open_group(self, generation: int, world_size: int, backend: str, join_timeout_s: float,
-                         chunk_mb: float) -> int:
-        """Open rank 0 of a new group on a free loopback port (the receivers join it); returns the port."""
-        await self.close_group()
-        port = _free_loopback_port()
-        self.group = _dist_transport(rank=0, world_size=world_size, port=port, backend=backend,
-                                     join_timeout_s=join_timeout_s, chunk_mb=chunk_mb)
-        self.generation = generation
-        return port
-
-    async def send(self, bucket_bytes: int, deadline_s: float) -> list[WeightHandle]:
-        """Export the current version and broadcast it; returns once every rank verified and staged it."""
-        if self.group is None:
-            raise WeightTransferError("no weight group is open on the trainer actor (open_weight_group first)")
-        buckets = await self._export(bucket_bytes)
-        self._abandoned = None
-        self._sending = asyncio.ensure_future(self.group.send(_aiter(buckets), deadline_s=deadline_s))
-        try:
-            await self._sending
-        except asyncio.CancelledError:
-            if self._abandoned is None:
-                raise
-            raise WeightTransferError(f"the broadcast of version {buckets[0].version} was abandoned: "
-                                      f"{self._abandoned}") from None
-        finally:
-            self._sending = None
-        self.last = buckets
-        return [WeightHandle.of(b, None, self.generation) for b in buckets]
-
-    def abandon(self, reason: str) -> bool:
-        """Give up the send in flight (a rank of the group died); True if there was one.
-
-        The group is dropped, not closed: the plugin's worker thread may still
-        be waiting on the dead rank (until the send's own deadline), and a
-        group is never shut down under a thread that uses it. The driver forms
-        a new group before the next send.
-        """
-        if self._sending is None or self._sending.done():
-            return False
-        self._abandoned = reason
-        self.group = None
-        self._sending.cancel()
-        return True
-
-    async def put_last(self, min_version: int) -> list[WeightHandle]:
-        """Put the last version sent (>= ``min_version``) in the object store, for a replica outside the group."""
-        import ray
-
-        if self.last is None or self.last[0].version < min_version:
-            held = "none" if self.last is None else self.last[0].version
-            raise WeightTransferError(f"a replica asked for version >= {min_version} to catch up, the trainer actor "
-                                      f"holds {held}")
-        return [WeightHandle.of(b, ray.put(b)) for b in self.last]
-
-    async def close_group(self) -> None:
-        group, self.group = self.group, None
-        if group is not None:
-            await group.close()
-
-
-class WeightReceiver:
-    """A rollout actor's side of the dist group: its rank's transport, and loading what it staged."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.group: WeightTransport | None = None
-
-    async def open_group(self, port: int, world_size: int, rank: int, backend: str, join_timeout_s: float,
-                         chunk_mb: float) -> None:
-        await self.close_group()
-        self.group = _dist_transport(rank=rank, world_size=world_size, port=port, backend=backend,
-                                     join_timeout_s=join_timeout_s, chunk_mb=chunk_mb)
-
-    async def load(self, min_version: int, deadline_s: float, kv_cache: KVCachePolicy) -> int:
-        """Load the newest version >= ``min_version`` this rank received (waiting up to ``deadline_s``)."""
-        if self.group is None:
-            raise WeightTransferError("this rollout actor is in no weight group; it catches up over the object store")
-        stream = self.group.receive(min_version=min_version, deadline_s=deadline_s)
-        first = await stream.__anext__()
-
-        async def chain() -> AsyncIterator[WeightBucket]:
-            yield first
-            async for b in stream:
-                yield b
-
-        await self.engine.update_weights(first.version, chain(), kv_cache=kv_cache)
-        return int(self.engine.version)
-
-    async def close_group(self) -> None:
-        group, self.group = self.group, None
-        if group is not None:
-            await group.close()
-
-
-# ------------------------------------------------------------------------------------------ driver
+    watched: WatchedActor
 
 
 @dataclasses.dataclass
@@ -310,7 +86,7 @@ class RayWeights:
         self.join_timeout_s = deadline_s if join_timeout_s is None else join_timeout_s  #: a rank not in by then fails
         self.counters: Counter[str] = counters if counters is not None else Counter()
         self.transport: HandleTransport | None = None
-        self.replicas: list[RemoteRolloutEngine] = []
+        self.replicas: list[WatchedReplica] = []
         self.trainer: WatchedActor | None = None
         self.group: _Group | None = None
         self._lock = asyncio.Lock()
@@ -320,7 +96,7 @@ class RayWeights:
         self.transport = HandleTransport(self.mode, on_close=self.close)
         return self.transport
 
-    def add_replica(self, proxy: RemoteRolloutEngine) -> None:
+    def add_replica(self, proxy: WatchedReplica) -> None:
         self.replicas.append(proxy)
 
     # -- sending --------------------------------------------------------------------------
@@ -385,7 +161,7 @@ class RayWeights:
             if dead:
                 return f"{dead[0]}'s actor died"
 
-    async def _live_replicas(self) -> list[RemoteRolloutEngine]:
+    async def _live_replicas(self) -> list[WatchedReplica]:
         """Replicas whose actor is up: a killed actor answers a health probe with an error at once."""
         candidates = [r for r in self.replicas if r.watched.lost is None and r.watched.actor is not None]
         probes = {asyncio.ensure_future(_probe(r.watched.actor)): r for r in candidates}
@@ -435,7 +211,7 @@ class RayWeights:
 
     # -- loading --------------------------------------------------------------------------
 
-    async def load(self, replica: RemoteRolloutEngine, version: int, handles: list[WeightHandle],
+    async def load(self, replica: WatchedReplica, version: int, handles: list[WeightHandle],
                    kv_cache: KVCachePolicy) -> int:
         """Load ``handles``' version (or a newer one) into ``replica``'s engine; returns the engine's version."""
         w = replica.watched
@@ -502,3 +278,6 @@ async def _probe(actor: Any) -> bool:
 async def _quiet(call: Any) -> None:
     with contextlib.suppress(Exception):
         await call
+
+
+__all__ = ["DEFAULT_MODE", "HandleTransport", "RayWeights", "WatchedReplica", "WeightHandle", "WeightsMode"]

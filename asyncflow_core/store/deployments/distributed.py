@@ -671,7 +671,7 @@ class DistributedStore(RemoteStoreClient):
 
     @property
     def features(self) -> StoreFeatures:
-        from asyncflow_core.store.deployments.plugin import DISTRIBUTED_FEATURES
+        from asyncflow_core.store.deployments.features import DISTRIBUTED_FEATURES
 
         return DISTRIBUTED_FEATURES
 

@@ -48,6 +48,7 @@ from asyncflow_core.store.deployments.arena_storage import ArenaStorage, ColumnL
 from asyncflow_core.store.deployments.channel import Connection, new_token, private_dir
 from asyncflow_core.store.deployments.codec import dtype_name
 from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of, split_column
+from asyncflow_core.store.deployments.features import MULTIPROCESS_FEATURES
 from asyncflow_core.store.deployments.remote import RemoteStoreClient, install_control_ops
 from asyncflow_core.store.deployments.server import ServerThread, StoreServer
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, StoreTimeoutError
@@ -205,8 +206,6 @@ class MultiprocessStore(RemoteStoreClient):
 
     @property
     def features(self) -> StoreFeatures:
-        from asyncflow_core.store.deployments.plugin import MULTIPROCESS_FEATURES
-
         return MULTIPROCESS_FEATURES
 
     async def _on_connect(self, info: dict[str, Any]) -> None:

@@ -1,7 +1,9 @@
 """Built-in plugin registering the out-of-process store deployments: ``multiprocess``, ``distributed``, ``ray``.
 
-Config models live in :mod:`.config`; a deployment is registered only once
-its implementation lands, so no config can pick a backend that does not work.
+Config models live in :mod:`.config` and each deployment's features in
+:mod:`.features` (its store answers with the same object, and imports
+nothing from here); a deployment is registered only once its implementation
+lands, so no config can pick a backend that does not work.
 
 Heavy modules (ray, torch.distributed, the servers) load inside the
 factories, so plugin discovery stays cheap.
@@ -12,9 +14,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from asyncflow_core.interfaces.features import StoreFeatures
 from asyncflow_core.plugins import StoreBackend, hookimpl
 from asyncflow_core.store.deployments.config import DistributedStoreConfig, MultiprocessStoreConfig, RayStoreConfig
+from asyncflow_core.store.deployments.features import DISTRIBUTED_FEATURES, MULTIPROCESS_FEATURES, RAY_FEATURES
 
 
 def _token(env: str) -> str:
@@ -38,16 +40,10 @@ def _make_multiprocess(config: MultiprocessStoreConfig) -> Any:
                                    token_columns=config.token_columns)
 
 
-MULTIPROCESS_FEATURES = StoreFeatures(deployment="multiprocess", zero_copy_get=False, supports_checkpoint=True)
-
-
 def _make_distributed(config: DistributedStoreConfig) -> Any:
     from asyncflow_core.store.deployments.distributed import open_distributed_store
 
     return open_distributed_store(config)
-
-
-DISTRIBUTED_FEATURES = StoreFeatures(deployment="distributed", zero_copy_get=False, supports_checkpoint=True)
 
 
 def _make_ray(config: RayStoreConfig) -> Any:
@@ -58,9 +54,6 @@ def _make_ray(config: RayStoreConfig) -> Any:
 
         raise ConfigError(f"the ray store needs Ray ({exc}); install it with pip install 'asyncflow[ray]'") from exc
     return RayStore(config)
-
-
-RAY_FEATURES = StoreFeatures(deployment="ray", zero_copy_get=False, supports_checkpoint=True)
 
 
 @hookimpl

@@ -55,6 +55,7 @@ from asyncflow_core.errors import ConfigError
 from asyncflow_core.interfaces.features import StoreFeatures
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
 from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of
+from asyncflow_core.store.deployments.features import RAY_FEATURES
 from asyncflow_core.store.errors import (
     ColumnTypeError,
     InvalidRequestError,
@@ -585,8 +586,6 @@ class RayStore(StreamStore):
 
     @property
     def features(self) -> StoreFeatures:
-        from asyncflow_core.store.deployments.plugin import RAY_FEATURES
-
         return RAY_FEATURES
 
     @property
