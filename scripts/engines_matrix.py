@@ -95,6 +95,26 @@ BACKENDS: tuple[Backend, ...] = (
 
 KIND_TITLES = {"rollout_engine": "Rollout engines", "train_engine": "Train engines"}
 
+#: What each backend does on a GPU that no run has exercised yet: written from the upstream source at the pinned
+#: version, with ``gpu``-marked tests (``make test-gpu``) that check it on the first CUDA host. A line moves out of
+#: here when such a run passes.
+GPU_PATHS: tuple[tuple[str, str], ...] = (
+    ("vllm", "vLLM 0.32.0 on CUDA: the weight group sends from a GPU none of vLLM's workers uses (NCCL refuses "
+             "two ranks of one group on one GPU), else through the CPU over gloo; sleep/wake with "
+             "`enable_sleep_mode` (in-flight requests held, a level-2 sleep needs a full update before generating); "
+             "NCCL waits end at the update's deadline; read-back of vocab-padded tensors under tensor parallelism"),
+    ("sglang", "SGLang 0.5.20-0.5.23 only, read from their source; tested against the adapter's protocol fake "
+               "(`asyncflow_sglang.testing`), never against a real server"),
+    ("fsdp", "CUDA: the sharded model is built on the meta device with weights broadcast from rank 0, so only "
+             "rank 0 holds the whole model in CPU memory; bf16 mixed precision; NCCL ranks pinned to their devices"),
+    ("megatron", "CUDA: checkpoints load into a fresh engine, optimizer state included; with the distributed "
+                 "optimizer they reshard across DP only; TP/PP/DP layouts and the fused softmax only where its "
+                 "extension imports"),
+    ("dist transport / distributed store", "NCCL: each rank's device chosen from `device`, `LOCAL_RANK` or the "
+                                           "constructing thread and set in every helper thread; one NCCL lane per "
+                                           "client; a transfer past its deadline aborts its communicator"),
+)
+
 
 def _python(backend: Backend) -> Path:
     path = Path(backend.python)
@@ -243,6 +263,11 @@ def render(outcomes: list[Outcome]) -> str:
         lines.append("")
         notes = [o for o in ran + rest if o.backend.note]
         lines += [f"- `{o.backend.name}`: {o.backend.note}." for o in notes] + ([""] if notes else [])
+    lines += ["## GPU paths: fixed by reading, never run", "",
+              "This machine has no GPU. These paths were written and fixed against the upstream source at the "
+              "pinned versions and are checked by `gpu`-marked tests (`make test-gpu`) that no CUDA host has run "
+              "yet; a line leaves this list when such a run passes.", ""]
+    lines += [f"- `{name}`: {text}." for name, text in GPU_PATHS] + [""]
     lines += ["## How each backend was run", "",
               "Wall-clock seconds of the whole run, interpreter start-up included (they vary with the machine's load).",
               "",

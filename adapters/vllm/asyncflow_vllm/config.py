@@ -18,8 +18,8 @@ from asyncflow_core.interfaces import RolloutFeatures
 #: ``allow_untested_vllm`` starts anyway (at your own risk).
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 
-#: What the engine does everywhere; ``supports_sleep`` is switched on by the engine on CUDA only
-#: (vLLM's sleep mode is a logged no-op on CPU, so the adapter does not claim it there).
+#: What the engine does everywhere; ``supports_sleep`` is switched on by the engine on CUDA with
+#: ``enable_sleep_mode`` only (vLLM's sleep is a logged no-op on CPU, so the adapter does not claim it there).
 DECLARED_FEATURES = RolloutFeatures(
     supports_abort=True,
     supports_resume_prefix=True,
@@ -80,11 +80,29 @@ class VLLMRolloutConfig(BaseModel):
         "eos_token_id; [] for none. Requests add their own stop_token_ids.",
     )
     weight_sync_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="torch.distributed backend that carries weight buckets into vLLM's workers "
-        "(auto: nccl on CUDA, gloo on CPU)."
+        "auto", description="torch.distributed backend that carries weight buckets into vLLM's workers (auto: on "
+        "CUDA nccl when this process sees a GPU no worker uses, else gloo through the CPU; gloo on CPU; nccl: "
+        "refused at start when no such GPU exists)."
+    )
+    weight_sync_device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda:\d+)$",
+        description="Where the engine's process sends weight buckets from (rank 0 of the weight group). auto: on "
+        "CUDA, the first GPU this process sees that none of vLLM's workers runs on (NCCL refuses two ranks of one "
+        "group on one GPU), or the CPU over gloo when every visible GPU is a worker's; cuda:N: that GPU (refused "
+        "if a worker runs on it); cpu: gloo over the CPU.",
     )
     weight_sync_timeout_s: float = Field(
-        120.0, gt=0, description="Deadline of one weight update inside the engine (join, broadcast, load)."
+        120.0,
+        gt=0,
+        description="Deadline of setting up the weight group, and of each update's transfer and load: NCCL waits "
+        "end there, and an update that misses it fails with EngineError.",
+    )
+    enable_sleep_mode: bool = Field(
+        True,
+        description="CUDA only: start vLLM with its sleep mode (its CuMem allocator), so sleep()/wake_up() release "
+        "and restore GPU memory (supports_sleep); false: supports_sleep is false. Ignored on CPU, where vLLM has "
+        "no sleep mode.",
     )
     verify_updates: bool = Field(
         True,
@@ -113,7 +131,8 @@ class VLLMRolloutConfig(BaseModel):
     @model_validator(mode="after")
     def _engine_args_do_not_shadow(self) -> VLLMRolloutConfig:
         owned = {"model", "seed", "tensor_parallel_size", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
-                 "enforce_eager", "dtype", "skip_tokenizer_init", "worker_extension_cls", "logprobs_mode"}
+                 "enforce_eager", "dtype", "skip_tokenizer_init", "worker_extension_cls", "logprobs_mode",
+                 "enable_sleep_mode"}
         clash = sorted(owned & set(self.engine_args))
         if clash:
             raise ValueError(

@@ -29,12 +29,24 @@ What the adapter adds on top of vLLM, step by step:
   full coverage), so a bad update leaves the old weights in force; then the
   engine pauses at a step boundary (``pause_generation(mode="keep")``),
   announces the buckets to its workers and broadcasts them over a
-  torch.distributed group of its own (gloo on CPU, NCCL on GPU) into
+  torch.distributed group of its own (gloo on CPU; on GPU NCCL from a GPU no
+  worker uses, or gloo through the CPU when there is none, see
+  :mod:`asyncflow_vllm.weight_group`) into
   :class:`~asyncflow_vllm.worker.WeightSyncExtension`, which double-buffers,
   checks each digest again, loads through ``model.load_weights`` and reads
   the parameters back; last, the version string is set, the prefix cache is
   reset (and, with ``KVCachePolicy.RECOMPUTE``, held requests are preempted
   so their prefix is recomputed) and generation resumes.
+- **Pause.** ``KEEP`` and ``ABORT`` are vLLM's modes of those names;
+  ``WAIT`` closes the adapter's own admission, waits for every request it
+  had accepted (vLLM's ``wait`` mode alone holds those not yet running) and
+  then pauses vLLM (:meth:`VLLMRolloutEngine._pause_wait`).
+- **Sleep** (CUDA): vLLM runs with ``enable_sleep_mode``; ``sleep`` holds
+  in-flight requests (vLLM's ``keep`` mode, their KV cache recomputed after
+  waking) instead of aborting them, and the engine wakes vLLM's scheduler
+  only when nothing forbids generating: not while the caller holds a pause,
+  and not after a level-2 sleep (weights dropped) until a full update has
+  loaded new weights.
 
 vLLM's own weight-transfer API (``init_weight_transfer_engine`` and its
 ``nccl``/``ipc`` backends) exists in 0.32, but every backend it ships needs
@@ -45,12 +57,15 @@ above runs on CPU and GPU alike and keeps the trainer free of vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import importlib.metadata
+import logging
 import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,10 +83,20 @@ from asyncflow_core.types import (
     WeightBucket,
     collect_update,
 )
+from asyncflow_vllm import weight_group
 from asyncflow_vllm.config import DECLARED_FEATURES, SUPPORTED_VLLM, VLLMRolloutConfig
 from asyncflow_vllm.worker import loopback_gloo_group
 
+log = logging.getLogger("asyncflow.vllm")
+
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+#: How long past an update's deadline the engine waits for vLLM's workers to report (their own waits end at the
+#: deadline; this covers aborting a communicator and returning)
+_REPORT_GRACE_S = 30.0
+
+#: vLLM's sleep-mode memory tags (``vllm/v1/executor/abstract.py``, ``SLEEP_TAGS``)
+_SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 
 #: Environment the engine sets (when unset) before vLLM is imported: its processes talk over
 #: 127.0.0.1 only and report nothing to anyone.
@@ -121,13 +146,40 @@ def check_vllm_version(version: str | None, *, allow_untested: bool) -> None:
         )
 
 
+def engine_args(config: VLLMRolloutConfig, *, device: str, model_dir: str, max_model_len: int) -> dict[str, Any]:
+    """The ``vllm.AsyncEngineArgs`` fields the engine starts vLLM with (``device``: cpu or cuda)."""
+    model = config.model
+    dtype = config.dtype if config.dtype != "auto" else model.dtype
+    return dict(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        seed=config.seed,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        enforce_eager=config.enforce_eager,
+        dtype=dtype,
+        trust_remote_code=model.trust_remote_code,
+        worker_extension_cls="asyncflow_vllm.worker.WeightSyncExtension",
+        logprobs_mode="processed_logprobs",
+        # without it vLLM's sleep frees nothing (weights and KV cache must come from its CuMem pool); vLLM
+        # refuses it on CPU, where sleep is a no-op anyway
+        enable_sleep_mode=device == "cuda" and config.enable_sleep_mode,
+        **config.engine_args,
+    )
+
+
 @dataclass(eq=False)
 class _Request:
     """One request in flight: what the adapter knows about it beyond vLLM."""
 
     request: GenerationRequest
     queue: asyncio.Queue
+    #: set while a pause(WAIT) held admission when the request came: it reaches vLLM once this is set (resume)
+    hold: asyncio.Event | None = None
     aborting: bool = False
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)  #: set with ``aborting`` (ends a hold)
     abort_sent: bool = False
     generated: int = 0  #: tokens received from vLLM so far
     done: bool = False
@@ -142,6 +194,7 @@ class _Group:
     group: Any
     device: torch.device
     world_size: int
+    backend: str = "gloo"
     buffers: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -161,7 +214,12 @@ class VLLMRolloutEngine(RolloutEngine):
         elif device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("rollout device 'cuda' was asked for but CUDA is not available; use 'cpu' or 'auto'")
         self.device = device
-        self._features = DECLARED_FEATURES.model_copy(update={"supports_sleep": device == "cuda"})
+        if device != "cuda" or config.weight_sync_backend == "gloo" or config.weight_sync_device == "cpu":
+            # the choice needs no GPU UUIDs here: a contradiction is refused before vLLM starts
+            weight_group.choose_weight_sync(config.weight_sync_backend, config.weight_sync_device,
+                                            engine_device=device, local_uuids=[], worker_uuids=set())
+        sleeps = device == "cuda" and config.enable_sleep_mode
+        self._features = DECLARED_FEATURES.model_copy(update={"supports_sleep": sleeps})
         self._llm: Any = None
         self._vllm: Any = None
         self._tmpdir: str | None = None
@@ -171,9 +229,16 @@ class VLLMRolloutEngine(RolloutEngine):
         self._eos: frozenset[int] = frozenset()
         self._version = 0
         self._active: dict[str, _Request] = {}
-        self._paused = False
-        self._sleeping = False
+        self._paused = False  #: the caller holds a pause (until resume)
+        #: admission gate of a pause(WAIT), from the moment it is called until resume: requests accepted meanwhile
+        #: wait here rather than in vLLM, so they neither run during the drain nor count as in flight
+        self._hold: asyncio.Event | None = None
+        self._sleeping = False  #: between sleep() and wake_up()
+        self._asleep: set[str] = set()  #: vLLM's memory tags still asleep (outlive wake_up while generating is held)
+        self._weights_missing = False  #: a level-2 sleep dropped the weights; generating waits for a full update
         self._group: _Group | None = None
+        #: rank 0 of the weight group: {"backend": nccl or gloo, "device": where buckets are sent from}
+        self.weight_sync: dict[str, str] | None = None
         self._update_lock = asyncio.Lock()
         self._failure: EngineError | None = None
         self._shut = False
@@ -206,22 +271,8 @@ class VLLMRolloutEngine(RolloutEngine):
         except Exception as exc:  # noqa: BLE001 - a broken install is reported with its reason
             raise EngineError(f"vLLM is installed but does not import ({type(exc).__name__}: {exc})") from exc
         self._vllm = vllm
-        model = self.config.model
-        dtype = self.config.dtype if self.config.dtype != "auto" else model.dtype
         args = vllm.AsyncEngineArgs(
-            model=model_dir,
-            skip_tokenizer_init=True,
-            seed=self.config.seed,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            max_model_len=self._max_len,
-            max_num_seqs=self.config.max_num_seqs,
-            gpu_memory_utilization=self.config.gpu_memory_utilization,
-            enforce_eager=self.config.enforce_eager,
-            dtype=dtype,
-            trust_remote_code=model.trust_remote_code,
-            worker_extension_cls="asyncflow_vllm.worker.WeightSyncExtension",
-            logprobs_mode="processed_logprobs",
-            **self.config.engine_args,
+            **engine_args(self.config, device=self.device, model_dir=model_dir, max_model_len=self._max_len)
         )
         try:
             self._llm = await asyncio.wait_for(
@@ -235,6 +286,36 @@ class VLLMRolloutEngine(RolloutEngine):
             self._cleanup_model_dir()
             raise EngineError(f"vLLM could not start the model ({type(exc).__name__}: {_brief(exc)})") from exc
         await self._llm.update_weight_version(str(self._version))
+        try:
+            self.weight_sync = await self._choose_weight_sync(self._llm)
+        except ConfigError:
+            await self.shutdown()
+            raise
+        except Exception as exc:  # the workers could not say which GPUs they run on
+            await self.shutdown()
+            raise EngineError(f"vLLM started, but its workers' devices could not be read "
+                              f"({type(exc).__name__}: {_first_line(exc)})") from exc
+
+    async def _choose_weight_sync(self, llm: Any) -> dict[str, str]:
+        """Where rank 0 of the weight group sends from: a GPU none of vLLM's workers runs on, or the CPU."""
+        cfg = self.config
+        local: list[str] = []
+        workers: set[str] = set()
+        if self.device == "cuda" and cfg.weight_sync_backend != "gloo" and cfg.weight_sync_device != "cpu":
+            infos = await llm.collective_rpc("asyncflow_device")
+            workers = {info["uuid"] for info in infos if info.get("uuid")}
+            local = await asyncio.to_thread(weight_group.cuda_uuids)
+        backend, device = weight_group.choose_weight_sync(
+            cfg.weight_sync_backend, cfg.weight_sync_device, engine_device=self.device,
+            local_uuids=local, worker_uuids=workers,
+        )
+        if self.device == "cuda" and backend == "gloo" and cfg.weight_sync_backend == "auto" \
+                and cfg.weight_sync_device == "auto":
+            log.warning(
+                "every GPU this process sees runs a vLLM worker, so weight updates go through the CPU (gloo); "
+                "make a GPU no worker uses visible to this process for NCCL (rollout.options.weight_sync_device)"
+            )
+        return {"backend": backend, "device": device}
 
     def _prepare_model(self) -> str:
         """The checkpoint directory vLLM loads, and the names/shapes/dtypes an update must carry."""
@@ -298,7 +379,10 @@ class VLLMRolloutEngine(RolloutEngine):
             return Health(ok=False, detail="not started")
         if self._llm.errored:
             return Health(ok=False, detail="the vLLM engine process died")
-        detail = "sleeping" if self._sleeping else "paused" if self._paused else ""
+        if self._weights_missing:
+            detail = "weights dropped by sleep(level=2): waiting for a full weight update"
+        else:
+            detail = "sleeping" if self._sleeping else "paused" if self._paused else ""
         return Health(ok=True, detail=detail, in_flight=len(self._active))
 
     async def shutdown(self) -> None:
@@ -322,7 +406,7 @@ class VLLMRolloutEngine(RolloutEngine):
             r.task.cancel()
         if pending:
             await asyncio.gather(*(r.task for r in pending), return_exceptions=True)
-        self._group = None
+        await self._drop_group()
         self._cleanup_model_dir()
 
     def _cleanup_model_dir(self) -> None:
@@ -334,6 +418,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
         self._check_started()
+        if self._weights_missing:
+            raise EngineError(
+                "the weights were dropped by sleep(level=2): load a full weight update (update_weights) "
+                "before generating"
+            )
         requests = list(requests)
         ids = [r.request_id for r in requests]
         dupes = {i for i in ids if ids.count(i) > 1} | (set(ids) & set(self._active))
@@ -347,7 +436,7 @@ class VLLMRolloutEngine(RolloutEngine):
             if problem is not None:
                 queue.put_nowait(_result(r, [], [], [], FinishReason.ERROR, problem))
                 continue
-            state = _Request(r, queue)
+            state = _Request(r, queue, hold=self._hold)
             self._active[r.request_id] = state
             state.task = loop.create_task(self._run_one(state), name=f"vllm-request-{r.request_id}")
             mine.append(state)
@@ -393,6 +482,14 @@ class VLLMRolloutEngine(RolloutEngine):
             reason = FinishReason.STOP if prefix[-1] in stops else FinishReason.LENGTH
             self._deliver(state, _result(r, prefix, list(r.prefix_logprobs), list(r.prefix_versions), reason))
             return
+        if state.hold is not None and not state.hold.is_set() and not state.aborting:
+            # sent after pause(WAIT) was called: it waits for resume() (or an abort) before reaching vLLM
+            waiters = [asyncio.ensure_future(state.hold.wait()), asyncio.ensure_future(state.aborted.wait())]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waiters:
+                    w.cancel()
         if state.aborting:
             self._deliver(state, _result(r, prefix, list(r.prefix_logprobs), list(r.prefix_versions),
                                          FinishReason.ABORT))
@@ -502,7 +599,7 @@ class VLLMRolloutEngine(RolloutEngine):
             targets = [rid for rid in dict.fromkeys(request_ids)
                        if rid in self._active and not self._active[rid].aborting and not self._active[rid].done]
         for rid in targets:
-            self._active[rid].aborting = True
+            _mark_aborting(self._active[rid])
         if targets:
             await llm.abort(targets)
         return targets
@@ -513,38 +610,150 @@ class VLLMRolloutEngine(RolloutEngine):
             mode = PauseMode(mode)
         except ValueError:
             raise ValueError(f"unknown pause mode {mode!r}; use one of {[m.value for m in PauseMode]}") from None
-        if mode is PauseMode.ABORT:
-            for state in self._active.values():
-                state.aborting = True
-        await llm.pause_generation(mode=mode.value, clear_cache=False)
+        async with self._update_lock:  # an update in flight resumes vLLM at its end: pause after it
+            if self._asleep:
+                # vLLM's scheduler is already held by the sleep (nothing runs): only ABORT has something to do
+                if mode is PauseMode.WAIT:
+                    raise ValueError(
+                        "pause(WAIT) while the engine sleeps would wait forever (held requests cannot finish); "
+                        "wake_up() first, or pause with KEEP or ABORT"
+                    )
+                if mode is PauseMode.ABORT:
+                    await self._abort_all(llm)
+                self._paused = True
+                return
+            if mode is PauseMode.WAIT:
+                await self._pause_wait(llm)
+                return
+            if mode is PauseMode.ABORT:
+                for state in self._active.values():
+                    _mark_aborting(state)
+            await llm.pause_generation(mode=mode.value, clear_cache=False)
+            self._paused = True
+
+    async def _pause_wait(self, llm: Any) -> None:
+        """pause(WAIT): close admission, let every request accepted so far finish, then pause vLLM.
+
+        vLLM's own ``wait`` mode (``PAUSED_NEW``) drains only the requests
+        it is already running: one still in its waiting queue, or not yet
+        handed to it (its task has not reached ``AsyncLLM.generate``), is
+        held until ``resume``, so a caller waiting for its in-flight
+        requests would wait forever. So the adapter waits for the requests
+        it has accepted itself, with requests sent from now on held at its
+        own gate until ``resume``, and pauses vLLM once nothing is in flight.
+        """
+        held = [s for s in self._active.values() if s.hold is not None and not s.hold.is_set()]
+        if self._paused and len(held) < len(self._active):
+            raise ValueError(
+                "pause(WAIT) while a pause holds requests in flight would wait forever (held requests cannot "
+                "finish); resume() first, or pause with KEEP or ABORT"
+            )
+        if self._hold is None:
+            self._hold = asyncio.Event()
+        accepted = [s.task for s in self._active.values()
+                    if (s.hold is None or s.hold.is_set()) and s.task is not None and not s.task.done()]
+        try:
+            if accepted:
+                # asyncio.wait, not gather: a cancelled pause must not cancel the requests it waited for
+                await asyncio.wait(accepted)
+            await llm.pause_generation(mode="wait", clear_cache=False)
+        except BaseException:
+            if not self._paused:  # the pause did not take: what it held goes on
+                self._open_gate()
+            raise
         self._paused = True
+
+    def _open_gate(self) -> None:
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.set()
+
+    async def _abort_all(self, llm: Any) -> None:
+        targets = [rid for rid, st in self._active.items() if not st.aborting and not st.done]
+        for rid in targets:
+            _mark_aborting(self._active[rid])
+        if targets:
+            await llm.abort(targets)
 
     async def resume(self) -> None:
         llm = self._check_started()
-        if not self._paused:
-            return
-        await llm.resume_generation()
-        self._paused = False
+        async with self._update_lock:
+            if not self._paused:
+                return
+            self._paused = False
+            self._open_gate()  # requests sent after a pause(WAIT) go on to vLLM (which queues them until resumed)
+            if self._asleep:  # the rest of the wake-up was held for this pause (or is held for other reasons)
+                await self._finish_wake(llm)
+                return
+            await llm.resume_generation()
 
     async def sleep(self, level: int = 1) -> None:
-        if not self._features.supports_sleep:
-            raise UnsupportedFeatureError(
-                "the vllm engine releases memory on CUDA only (vLLM's sleep mode does nothing on CPU; supports_sleep=False)"
-            )
-        llm = self._check_started()
+        self._check_sleep_supported()
         if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        await llm.sleep(level)
-        self._sleeping = True
+            raise ValueError(f"sleep level must be 1 (keep the weights in host memory) or 2 (drop them), got {level}")
+        await self._sleep(level)
 
     async def wake_up(self) -> None:
+        self._check_sleep_supported()
+        await self._wake_up()
+
+    def _check_sleep_supported(self) -> None:
         if not self._features.supports_sleep:
+            why = ("vLLM's sleep mode does nothing on CPU" if self.device != "cuda"
+                   else "rollout.options.enable_sleep_mode is false")
             raise UnsupportedFeatureError(
-                "the vllm engine releases memory on CUDA only (vLLM's sleep mode does nothing on CPU; supports_sleep=False)"
+                f"the vllm engine releases GPU memory only on CUDA with enable_sleep_mode ({why}; supports_sleep=False)"
             )
+
+    async def _sleep(self, level: int) -> None:
+        """Release vLLM's GPU memory; in-flight requests are held, not aborted.
+
+        vLLM's ``AsyncLLM.sleep(level, mode)`` pauses its scheduler with
+        ``mode`` first (default ``abort``: every in-flight request would end);
+        ``keep`` holds them, and the pause resets the prefix cache with
+        ``reset_running_requests`` (``EngineCore._reset_caches``), so their
+        context is recomputed after waking. Taken under the update lock: the
+        weights never go to sleep in the middle of an update.
+        """
         llm = self._check_started()
-        await llm.wake_up()
-        self._sleeping = False
+        async with self._update_lock:
+            if self._sleeping:
+                return
+            await llm.sleep(level, mode="keep")
+            self._sleeping = True
+            self._asleep = set(_SLEEP_TAGS)
+            if level == 2:
+                self._weights_missing = True
+
+    async def _wake_up(self) -> None:
+        """Bring vLLM's memory back; its scheduler runs again only if nothing holds generation.
+
+        vLLM's ``wake_up`` resumes its scheduler as soon as every memory tag
+        is awake (``EngineCore.wake_up``), which would undo a caller's
+        ``pause`` and, after a level-2 sleep, sample from dropped weights. So
+        while a pause is held or the weights are missing, only the
+        ``weights`` tag is woken (an update needs it) and the ``kv_cache``
+        tag, with the scheduler, follows at ``resume`` or after the update.
+        """
+        llm = self._check_started()
+        async with self._update_lock:
+            if not self._sleeping:
+                return
+            self._sleeping = False
+            if self._generating_allowed():
+                await self._finish_wake(llm)
+            elif "weights" in self._asleep:
+                await llm.wake_up(tags=["weights"])
+                self._asleep.discard("weights")
+
+    def _generating_allowed(self) -> bool:
+        return not self._sleeping and not self._paused and not self._weights_missing
+
+    async def _finish_wake(self, llm: Any) -> None:
+        """Wake what is still asleep (vLLM then resumes its scheduler) when nothing holds generation."""
+        if self._asleep and self._generating_allowed():
+            await llm.wake_up(tags=sorted(self._asleep))
+            self._asleep.clear()
 
     # -- weights ------------------------------------------------------------
 
@@ -574,48 +783,17 @@ class VLLMRolloutEngine(RolloutEngine):
         self, llm: Any, version: int, buckets: list[WeightBucket], kv_cache: KVCachePolicy,
         expected: dict[str, torch.Tensor] | None,
     ) -> None:
-        timeout = self.config.weight_sync_timeout_s
         group = await self._ensure_group(llm)
-        paused_here = not self._paused
-        if paused_here:  # the safe point: no step runs while the weights change
+        if "weights" in self._asleep:  # asleep: the weights' memory must be back before it is written
+            await llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
+        # the safe point: no step runs while the weights change. A caller's pause or a sleep already holds
+        # vLLM's scheduler, and resuming it here would undo them
+        paused_here = not self._paused and not self._asleep
+        if paused_here:
             await llm.pause_generation(mode="keep", clear_cache=False)
         try:
-            metas = [
-                {
-                    "index": b.index,
-                    "nbytes": int(b.nbytes),
-                    "checksum": b.checksum,
-                    "metas": [{"name": m.name, "dtype": m.dtype, "shape": list(m.shape), "offset": m.offset}
-                              for m in b.metas],
-                }
-                for b in buckets
-            ]
-            # a tied tensor sent under one name is loaded under its other names too: on CPU vLLM repacks the
-            # output projection (lm_head) for oneDNN, and only loading it by name makes that copy current
-            sent = {m.name for b in buckets for m in b.metas}
-            aliases: dict[str, list[str]] = {}  # a sent name -> the unsent names of its tied group
-            for tied in self._model.tied_groups:
-                present = [n for n in tied if n in sent]
-                if present and len(present) < len(tied):
-                    aliases[present[0]] = [n for n in tied if n not in sent]
-            # announce first (the workers post their receives only for transfers that are coming) ...
-            load = asyncio.ensure_future(
-                llm.collective_rpc("asyncflow_load", args=(version, metas, self.config.verify_updates, aliases))
-            )
-            try:
-                # ... then send; a worker that died makes the broadcast fail at the group's timeout, not hang
-                await asyncio.wait_for(asyncio.to_thread(self._broadcast, group, buckets), timeout)
-                results = await asyncio.wait_for(load, timeout)
-            except BaseException as exc:
-                load.cancel()
-                self._group = None
-                error = EngineError(
-                    f"the update to version {version} failed inside vLLM after loading began "
-                    f"({type(exc).__name__}: {_first_line(exc)}); the replica's weights are in an unknown state "
-                    "and it must be restarted"
-                )
-                self._fail(error)
-                raise error from exc
+            results = await self._transfer(llm, group, version, buckets)
             bad = sorted({name for res in results for name in res.get("mismatches", ())})
             if bad:
                 error = EngineError(
@@ -626,6 +804,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 raise error
             await llm.update_weight_version(str(version))
             self._version = version
+            self._weights_missing = False
             # cached prefixes were computed by the old weights; RECOMPUTE also preempts held requests so
             # their whole context is recomputed by the new weights before they continue. With KEEP and
             # requests running vLLM cannot reset (it returns False): the per-version cache salt above is
@@ -634,11 +813,90 @@ class VLLMRolloutEngine(RolloutEngine):
         finally:
             if paused_here and self._failure is None:
                 await llm.resume_generation()
+        await self._finish_wake(llm)  # a wake-up held for the missing weights goes on now
         self.last_update = {"version": version, "buckets": len(buckets),
                             "compared": sum(r.get("compared", 0) for r in results),
-                            "unreadable": sum(r.get("unreadable", 0) for r in results), "probe": None}
-        if expected is not None and paused_here:
+                            "unreadable": sum(r.get("unreadable", 0) for r in results),
+                            "padding_only": sum(r.get("padding_only", 0) for r in results), "probe": None}
+        if expected is not None and not self._paused and not self._asleep:
             self.last_update["probe"] = await self._probe(version, expected)
+
+    async def _transfer(self, llm: Any, group: _Group, version: int, buckets: list[WeightBucket]) -> list[dict]:
+        """Announce the buckets, broadcast them and collect the workers' reports, all by one deadline.
+
+        A failure before any worker began to change its model (e.g. a
+        receiver that never posts its receive: the broadcast times out) is
+        an EngineError that leaves the old weights and version in force; the
+        weight group is rebuilt at the next update. A failure after loading
+        began, or workers that do not report, fails the engine: its weights
+        are in an unknown state.
+        """
+        timeout = self.config.weight_sync_timeout_s
+        deadline = time.time() + timeout
+        metas = [
+            {
+                "index": b.index,
+                "nbytes": int(b.nbytes),
+                "checksum": b.checksum,
+                "metas": [{"name": m.name, "dtype": m.dtype, "shape": list(m.shape), "offset": m.offset}
+                          for m in b.metas],
+            }
+            for b in buckets
+        ]
+        # a tied tensor sent under one name is loaded under its other names too: on CPU vLLM repacks the
+        # output projection (lm_head) for oneDNN, and only loading it by name makes that copy current
+        sent = {m.name for b in buckets for m in b.metas}
+        aliases: dict[str, list[str]] = {}  # a sent name -> the unsent names of its tied group
+        for tied in self._model.tied_groups:
+            present = [n for n in tied if n in sent]
+            if present and len(present) < len(tied):
+                aliases[present[0]] = [n for n in tied if n not in sent]
+        # announce first (the workers post their receives only for transfers that are coming) ...
+        load = asyncio.ensure_future(self._load_rpc(llm, version, metas, aliases, deadline))
+        send = asyncio.ensure_future(asyncio.to_thread(self._broadcast, group, buckets, deadline))
+        send_error: BaseException | None = None
+        try:
+            # ... then send: every NCCL wait ends at the deadline (gloo's at the group's timeout)
+            await asyncio.wait_for(asyncio.shield(send), max(deadline - time.time(), 0.0) + _REPORT_GRACE_S)
+        except Exception as exc:  # noqa: BLE001 - reported below with what the workers say
+            send_error = exc
+        try:
+            results = await asyncio.wait_for(asyncio.shield(load), max(deadline - time.time(), 0.0) + _REPORT_GRACE_S)
+        except BaseException as exc:
+            await self._drop_group()
+            error = EngineError(
+                f"vLLM's workers did not report on the update to version {version} "
+                f"({type(exc).__name__}: {_first_line(exc)}); the replica's weights are in an unknown state and "
+                "it must be restarted"
+            )
+            self._fail(error)
+            raise error from exc
+        failures = [r["error"] for r in results if r.get("error")]
+        if send_error is None and not failures:
+            return results
+        await self._drop_group()
+        reason = f"{type(send_error).__name__}: {_first_line(send_error)}" if send_error is not None else failures[0]
+        if time.time() >= deadline:
+            reason = f"not done within weight_sync_timeout_s={timeout:g} s; {reason}"
+        if any(r.get("touched") for r in results):
+            error = EngineError(
+                f"the update to version {version} failed inside vLLM after loading began ({reason}); the "
+                "replica's weights are in an unknown state and it must be restarted"
+            )
+            self._fail(error)
+            raise error from send_error
+        raise EngineError(
+            f"the update to version {version} did not reach vLLM's workers ({reason}); no weight was changed, "
+            f"version {self._version} is still in force, and the weight group is set up again at the next update"
+        ) from send_error
+
+    async def _load_rpc(
+        self, llm: Any, version: int, metas: list[dict], aliases: dict[str, list[str]], deadline: float
+    ) -> list[dict]:
+        """The workers' side of one update (:meth:`WeightSyncExtension.asyncflow_load`), one report per worker."""
+        return await llm.collective_rpc(
+            "asyncflow_load", args=(version, metas, self.config.verify_updates, aliases, deadline)
+        )
 
     async def _probe(self, version: int, state: dict[str, torch.Tensor]) -> float:
         """Sample from a fixed prompt and compare log-probs with a forward pass over the weights sent."""
@@ -679,15 +937,17 @@ class VLLMRolloutEngine(RolloutEngine):
         return diff
 
     async def _ensure_group(self, llm: Any) -> _Group:
+        """Set up the weight group (rank 0 here, vLLM's workers 1..N) by ``weight_sync_timeout_s``."""
         if self._group is not None:
             return self._group
         from torch.distributed import TCPStore
 
-        backend = self.config.weight_sync_backend
-        if backend == "auto":
-            backend = "nccl" if self.device == "cuda" else "gloo"
+        sync = self.weight_sync or {"backend": "gloo", "device": "cpu"}
+        backend, device = sync["backend"], torch.device(sync["device"])
         world = 1 + self.config.tensor_parallel_size
-        timeout = datetime.timedelta(seconds=self.config.weight_sync_timeout_s)
+        timeout_s = self.config.weight_sync_timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        deadline = time.time() + timeout_s
         # a TCPStore given only a port listens on every interface: hand it a socket bound to loopback.
         # wait_for_workers=False: the master returns at once, so the workers can be told where to join
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -698,42 +958,67 @@ class VLLMRolloutEngine(RolloutEngine):
         store = TCPStore("127.0.0.1", port, world, is_master=True, wait_for_workers=False, timeout=timeout,
                          master_listen_fd=listener.detach(), use_libuv=False)
         join = asyncio.ensure_future(
-            llm.collective_rpc("asyncflow_join",
-                               args=("127.0.0.1", port, world, backend, self.config.weight_sync_timeout_s))
+            llm.collective_rpc("asyncflow_join", args=("127.0.0.1", port, world, backend, timeout_s))
         )
 
         def make() -> Any:
-            if backend == "nccl":
-                from torch.distributed import ProcessGroupNCCL
+            if backend != "nccl":
+                return loopback_gloo_group(store, 0, world, timeout)
+            # every worker has its group before NCCL sets up the communicator: a worker that never joins is
+            # a store timeout here, not a communicator set-up that waits forever
+            store.wait([f"asyncflow/joined/{rank}" for rank in range(1, world)], weight_group.remaining(deadline))
+            group = weight_group.nccl_group(store, 0, world, timeout_s)
+            try:
+                with torch.cuda.device(device):
+                    probe = torch.ones(1, dtype=torch.uint8, device=device)
+                    weight_group.wait(group.broadcast([probe], weight_group.from_rank_0()), backend, deadline)
+            except BaseException:
+                weight_group.abort(group, backend)
+                raise
+            return group
 
-                return ProcessGroupNCCL(store, 0, world, ProcessGroupNCCL.Options())
-            return loopback_gloo_group(store, 0, world, timeout)
-
+        made = asyncio.ensure_future(asyncio.to_thread(make))
+        problem: BaseException | None = None
+        group = None
         try:
-            group = await asyncio.wait_for(asyncio.to_thread(make), self.config.weight_sync_timeout_s)
-            await asyncio.wait_for(join, self.config.weight_sync_timeout_s)
-        except BaseException as exc:
-            join.cancel()
+            group = await asyncio.wait_for(asyncio.shield(made), timeout_s + _REPORT_GRACE_S)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            problem = exc
+        try:
+            await asyncio.wait_for(asyncio.shield(join), max(deadline - time.time(), 0.0) + _REPORT_GRACE_S)
+        except Exception as exc:  # noqa: BLE001 - a worker failed to join: reported below
+            problem = problem or exc
+        if not made.done() or not join.done():
+            # a thread here or vLLM's workers are still inside the join: the replica cannot be trusted to serve
+            error = EngineError(f"setting up the weight group ({backend}) on 127.0.0.1:{port} did not end within "
+                                f"weight_sync_timeout_s={timeout_s:g} s; the replica must be restarted")
+            self._fail(error)
+            raise error from problem
+        if problem is not None:
+            weight_group.abort(group, backend)
             raise EngineError(
-                f"vLLM's workers did not join the weight group on 127.0.0.1:{port} "
-                f"({type(exc).__name__}: {_first_line(exc)})"
-            ) from exc
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self._group = _Group(store, group, device, world)
+                f"vLLM's workers did not join the weight group ({backend}) on 127.0.0.1:{port} "
+                f"({type(problem).__name__}: {_first_line(problem)}); no weight was changed"
+            ) from problem
+        self._group = _Group(store, group, device, world, backend)
         return self._group
 
-    @staticmethod
-    def _broadcast(group: _Group, buckets: list[WeightBucket]) -> None:
-        from torch.distributed import BroadcastOptions
+    async def _drop_group(self) -> None:
+        """Forget the weight group (an NCCL one is aborted first: that never waits on the other ranks)."""
+        group, self._group = self._group, None
+        if group is not None and group.backend == "nccl":
+            await asyncio.to_thread(weight_group.abort, group.group, group.backend)
 
-        opts = BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
-        for bucket in buckets:
-            buffer = bucket.buffer.contiguous()
-            if buffer.device != group.device:
-                buffer = buffer.to(group.device)
-            group.group.broadcast([buffer], opts).wait()
+    @staticmethod
+    def _broadcast(group: _Group, buckets: list[WeightBucket], deadline: float) -> None:
+        opts = weight_group.from_rank_0()
+        on_gpu = torch.cuda.device(group.device) if group.device.type == "cuda" else contextlib.nullcontext()
+        with on_gpu:
+            for bucket in buckets:
+                buffer = bucket.buffer.contiguous()
+                if buffer.device != group.device:
+                    buffer = buffer.to(group.device)
+                weight_group.wait(group.group.broadcast([buffer], opts), group.backend, deadline)
 
 
 def _result(
@@ -741,6 +1026,11 @@ def _result(
     error: str | None = None,
 ) -> GenerationResult:
     return GenerationResult(r.request_id, r.prompt_token_ids, tokens, logprobs, versions, reason, error)
+
+
+def _mark_aborting(state: _Request) -> None:
+    state.aborting = True
+    state.aborted.set()
 
 
 def _first_line(exc: BaseException) -> str:

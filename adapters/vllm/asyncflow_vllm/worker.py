@@ -12,7 +12,7 @@ times out poisons its connection):
 
 1. the engine calls ``asyncflow_load(version, buckets)`` through
    ``collective_rpc`` with every bucket's metadata (name, dtype, shape and
-   byte offset of each tensor, the bucket's size and BLAKE2b digest), then
+   byte offset of each tensor, the bucket's size and digest), then
    broadcasts the buckets' byte buffers in order;
 2. each worker receives bucket i+1 into the other of two buffers while it
    checks bucket i's digest and hands copies of its tensors to
@@ -28,15 +28,25 @@ A tied tensor the sender sent under one name (trainers export
 ``model.embed_tokens.weight`` but not ``lm_head.weight``) is loaded under its
 other names as well (``aliases``): vLLM's CPU backend keeps a repacked copy of
 the output projection that only a load by that name refreshes.
+
+Failures are reported, not raised: ``asyncflow_load`` returns ``error`` and
+whether it had begun to change the model (``touched``). The model is touched
+only once the first bucket has arrived (that is when the layerwise-reload
+session starts), so a transfer that never comes leaves the old weights whole
+and the engine can keep serving them. NCCL waits end at the update's
+deadline (see :mod:`asyncflow_vllm.weight_group`).
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import time
 from typing import Any
 
 import torch
+
+from asyncflow_vllm import weight_group
 
 _DTYPES = {
     "float32": torch.float32,
@@ -52,8 +62,11 @@ _DTYPES = {
 
 
 def _digest(buffer: torch.Tensor) -> str:
-    data = buffer if buffer.device.type == "cpu" else buffer.cpu()
-    return hashlib.blake2b(memoryview(data.numpy()), digest_size=16).hexdigest()
+    """The bucket digest every producer and checker uses (asyncflow_core's ``weight_digest``; device buffers are
+    copied to the host first)."""
+    from asyncflow_core.types import weight_digest
+
+    return weight_digest(buffer)
 
 
 def _views(buffer: torch.Tensor, metas: list[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
@@ -68,78 +81,139 @@ def _views(buffer: torch.Tensor, metas: list[dict[str, Any]]) -> list[tuple[str,
 class WeightSyncExtension:
     """Methods vLLM adds to its worker; called by the ``vllm`` engine through ``collective_rpc``."""
 
+    def asyncflow_device(self) -> dict[str, Any]:
+        """This worker's device and, on CUDA, its UUID (the engine keeps its own rank off these GPUs)."""
+        device = _device_of(self)
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+        return {"rank": 1 + int(self.rank), "device": str(device), "uuid": uuid}
+
     def asyncflow_join(self, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> int:
-        """Join the weight group as rank 1 + this worker's rank; returns that rank."""
+        """Join the weight group as rank 1 + this worker's rank; returns that rank.
+
+        With NCCL the communicator is created here, by a one-byte broadcast
+        from rank 0, so that an update never waits on communicator setup.
+        """
         from torch.distributed import TCPStore
 
+        self.asyncflow_leave()  # a group left over from a failed update: its communicator may be aborted
         rank = 1 + int(self.rank)
-        store = TCPStore(host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
         timeout = datetime.timedelta(seconds=timeout_s)
+        deadline = time.time() + timeout_s
+        store = TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         if backend == "nccl":
-            from torch.distributed import ProcessGroupNCCL
-
-            group = ProcessGroupNCCL(store, rank, world_size, ProcessGroupNCCL.Options())
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = _device_of(self)
+            group = weight_group.nccl_group(store, rank, world_size, timeout_s)
+            store.set(f"asyncflow/joined/{rank}", str(device))
+            try:
+                probe = torch.zeros(1, dtype=torch.uint8, device=device)
+                weight_group.wait(group.broadcast([probe], weight_group.from_rank_0()), backend, deadline)
+            except BaseException:
+                weight_group.abort(group, backend)
+                raise
         else:
             group = loopback_gloo_group(store, rank, world_size, timeout)
             device = torch.device("cpu")
         self._asyncflow_group = group
         self._asyncflow_store = store
         self._asyncflow_device = device
+        self._asyncflow_backend = backend
         return rank
 
     def asyncflow_leave(self) -> None:
-        """Drop the weight group (the engine is shutting down or rebuilding it)."""
+        """Drop the weight group (an NCCL one is aborted: that never waits on the other ranks)."""
+        weight_group.abort(getattr(self, "_asyncflow_group", None), getattr(self, "_asyncflow_backend", "gloo"))
         self._asyncflow_group = None
         self._asyncflow_store = None
 
     def asyncflow_load(
-        self, version: int, buckets: list[dict[str, Any]], verify: bool, aliases: dict[str, list[str]] | None = None
+        self,
+        version: int,
+        buckets: list[dict[str, Any]],
+        verify: bool,
+        aliases: dict[str, list[str]] | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
-        """Receive ``buckets`` by broadcast from rank 0 and load them; see the module docstring."""
+        """Receive ``buckets`` by broadcast from rank 0 and load them; see the module docstring.
+
+        ``deadline`` (``time.time()`` seconds) ends every NCCL wait. Returns
+        ``error`` and ``touched`` instead of raising, so the engine learns
+        whether this worker's weights are still the old ones.
+        """
+        rank = 1 + int(self.rank)
+        state = {"touched": False}
+        try:
+            return self._asyncflow_load(version, buckets, verify, aliases or {}, deadline, state)
+        except Exception as exc:  # noqa: BLE001 - reported to the engine, which decides what the replica can do
+            self.asyncflow_leave()  # its communicator may have been aborted, and a peer may be mid-transfer
+            text = str(exc).strip()
+            reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            return {"rank": rank, "error": reason, "touched": state["touched"]}
+
+    def _asyncflow_load(
+        self,
+        version: int,
+        buckets: list[dict[str, Any]],
+        verify: bool,
+        aliases: dict[str, list[str]],
+        deadline: float | None,
+        state: dict[str, bool],
+    ) -> dict[str, Any]:
         group = getattr(self, "_asyncflow_group", None)
         if group is None:
             raise RuntimeError("asyncflow_load before asyncflow_join: the weight group is not set up")
         device = self._asyncflow_device
+        backend = getattr(self, "_asyncflow_backend", "gloo")
+        if deadline is None:
+            deadline = time.time() + 24 * 3600.0
         model = self.model_runner.model
         largest = max(int(b["nbytes"]) for b in buckets)
         buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, len(buckets)))]
 
         def post(i: int) -> Any:
             target = buffers[i % len(buffers)][: int(buckets[i]["nbytes"])]
-            return group.broadcast([target], _from_rank_0()), target
+            return group.broadcast([target], weight_group.from_rank_0()), target
 
         received: dict[str, torch.Tensor] = {} if verify else None  # type: ignore[assignment]
         reload = _layerwise_reload()
-        if reload is not None:
-            reload[0](model)
+        in_session = False
         loaded = 0
         pending = post(0)
-        for i, bucket in enumerate(buckets):
-            work, target = pending
-            work.wait()
-            if i + 1 < len(buckets):
-                pending = post(i + 1)  # the next bucket travels while this one is checked and loaded
-            digest = _digest(target)
-            if digest != bucket["checksum"]:
-                raise RuntimeError(
-                    f"weight bucket {bucket['index']} of version {version} arrived corrupted in the vLLM worker "
-                    f"(digest {digest} != {bucket['checksum']})"
-                )
-            # copies, not views: vLLM's layerwise reload holds a layer's tensors until all of that layer has
-            # arrived (a fused q/k/v or gate/up may span two buckets), and the receive buffer is reused
-            tensors = [(name, view.clone()) for name, view in _views(target, bucket["metas"])]
-            tensors += [(alias, t) for name, t in tensors for alias in (aliases or {}).get(name, ())]
-            model.load_weights(tensors)
-            loaded += len(tensors)
-            if verify:
-                for name, t in tensors:
-                    received[name] = t if t.device.type == "cpu" else t.cpu()
-        if reload is not None:
-            reload[1](model, self.model_runner.model_config)
-        result: dict[str, Any] = {"rank": 1 + int(self.rank), "tensors": loaded}
+        try:
+            for i, bucket in enumerate(buckets):
+                work, target = pending
+                weight_group.wait(work, backend, deadline)
+                if i + 1 < len(buckets):
+                    pending = post(i + 1)  # the next bucket travels while this one is checked and loaded
+                digest = _digest(target)
+                if digest != bucket["checksum"]:
+                    raise RuntimeError(
+                        f"weight bucket {bucket['index']} of version {version} arrived corrupted in the vLLM worker "
+                        f"(digest {digest} != {bucket['checksum']})"
+                    )
+                if not state["touched"]:
+                    # the model changes from here on: a transfer that never arrived left it as it was
+                    state["touched"] = True
+                    if reload is not None:
+                        reload[0](model)
+                        in_session = True
+                # copies, not views: vLLM's layerwise reload holds a layer's tensors until all of that layer has
+                # arrived (a fused q/k/v or gate/up may span two buckets), and the receive buffer is reused
+                tensors = [(name, view.clone()) for name, view in _views(target, bucket["metas"])]
+                tensors += [(alias, t) for name, t in tensors for alias in aliases.get(name, ())]
+                model.load_weights(tensors)
+                loaded += len(tensors)
+                if verify:
+                    for name, t in tensors:
+                        received[name] = t if t.device.type == "cpu" else t.cpu()
+        finally:
+            if in_session:  # also after a failure: parameters left on the meta device would break the next step
+                reload[1](model, self.model_runner.model_config)
+        result: dict[str, Any] = {"rank": 1 + int(self.rank), "tensors": loaded, "touched": True}
         if verify:
-            result.update(_readback(model, received, self.vllm_config))
+            parallel = self.vllm_config.parallel_config
+            tied = bool(getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False))
+            result.update(_readback(model, received, tied=tied,
+                                    tensor_parallel_size=int(parallel.tensor_parallel_size)))
         return result
 
     def asyncflow_param_digest(self) -> str:
@@ -149,6 +223,16 @@ class WeightSyncExtension:
             h.update(name.encode())
             h.update(memoryview(p.detach().float().cpu().contiguous().view(-1).numpy()))
         return h.hexdigest()
+
+
+def _device_of(worker: Any) -> torch.device:
+    """The worker's device: vLLM's GPU worker keeps it as ``device``; the current CUDA device otherwise."""
+    device = getattr(worker, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def loopback_gloo_group(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
@@ -161,15 +245,6 @@ def loopback_gloo_group(store: Any, rank: int, world_size: int, timeout: datetim
     return ProcessGroupGloo(store, rank, world_size, options)
 
 
-def _from_rank_0() -> Any:
-    from torch.distributed import BroadcastOptions
-
-    opts = BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    return opts
-
-
 def _layerwise_reload() -> tuple[Any, Any] | None:
     """vLLM's layerwise-reload session (begin, end), or None on releases without it."""
     try:
@@ -179,22 +254,28 @@ def _layerwise_reload() -> tuple[Any, Any] | None:
     return initialize_layerwise_reload, finalize_layerwise_reload
 
 
-def _readback(model: torch.nn.Module, received: dict[str, torch.Tensor], vllm_config: Any) -> dict[str, Any]:
+def _readback(
+    model: torch.nn.Module, received: dict[str, torch.Tensor], *, tied: bool, tensor_parallel_size: int
+) -> dict[str, Any]:
     """Compare every readable vLLM parameter with the tensors sent; returns mismatches and counts.
 
     Fused parameters are rebuilt from their parts with the model's
     ``packed_modules_mapping`` (``qkv_proj`` = q, k, v stacked on dim 0).
-    Vocabulary-padded embeddings are compared on their real rows. Not
-    readable, and counted as such: parameters that vLLM's post-load
-    processing moved into a kernel-specific layout (on CPU the linear layers'
-    weights are repacked and the parameter left empty), and shards at
-    tensor-parallel size > 1. Those are covered by the log-prob probe.
+    Vocabulary embeddings and output projections (vLLM's
+    ``VocabParallelEmbedding`` / ``ParallelLMHead``) are compared on the real
+    rows of this rank's shard only (:func:`real_vocab_rows`): padding rows are
+    not the model's, and at tensor-parallel size > 1 a rank past the end of a
+    small vocabulary holds padding only (``padding_only``). Not readable, and
+    counted as such: parameters that vLLM's post-load processing moved into a
+    kernel-specific layout (on CPU the linear layers' weights are repacked and
+    the parameter left empty), and other shards at tensor-parallel size > 1.
+    Those are covered by the log-prob probe.
     """
     packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    tied = bool(getattr(vllm_config.model_config.hf_config, "tie_word_embeddings", False))
-    sharded = int(vllm_config.parallel_config.tensor_parallel_size) > 1
+    vocab = _vocab_shards(model)
+    sharded = tensor_parallel_size > 1
     bad: list[str] = []
-    compared = unreadable = 0
+    compared = unreadable = padding_only = 0
     for name, param in model.named_parameters():
         actual = param.detach()
         if actual.numel() == 0:
@@ -207,21 +288,74 @@ def _readback(model: torch.nn.Module, received: dict[str, torch.Tensor], vllm_co
             bad.append(f"{name} (no tensor sent for it)")
             continue
         actual = actual.cpu()
-        if tuple(actual.shape) != tuple(expected.shape):
-            padded = actual.dim() == expected.dim() and actual.shape[1:] == expected.shape[1:] \
-                and actual.shape[0] > expected.shape[0]
-            if padded:  # vocabulary rows padded to a multiple of 64
-                actual = actual[: expected.shape[0]]
-            elif sharded:
+        shard = vocab.get(name)
+        if shard is not None and actual.shape[1:] == expected.shape[1:]:
+            rows = real_vocab_rows(actual, expected, shard)
+            if rows is None:
+                padding_only += 1
+                continue
+            actual, expected = rows
+        elif tuple(actual.shape) != tuple(expected.shape):
+            if sharded:
                 unreadable += 1
                 continue
-            else:
-                bad.append(f"{name} (shape {tuple(actual.shape)} != sent {tuple(expected.shape)})")
-                continue
+            bad.append(f"{name} (shape {tuple(actual.shape)} != sent {tuple(expected.shape)})")
+            continue
         compared += 1
         if not torch.equal(actual, expected.to(actual.dtype)):
             bad.append(name)
-    return {"mismatches": bad, "compared": compared, "unreadable": unreadable}
+    return {"mismatches": bad, "compared": compared, "unreadable": unreadable, "padding_only": padding_only}
+
+
+def vocab_shard_rows(shard: Any) -> list[tuple[slice, slice]]:
+    """Pairs (rows of a vocabulary shard, rows of the full tensor) that hold real tokens.
+
+    ``shard`` is vLLM's ``VocabParallelEmbeddingShardIndices`` (its
+    ``vocab_parallel_embedding.py``): a rank's shard holds its rows of the
+    original vocabulary first (token ids ``org_vocab_start_index`` up to
+    ``org_vocab_end_index``), padding up to ``num_org_elements_padded``, then
+    its rows of the added (LoRA) vocabulary (``added_vocab_start_index`` up to
+    ``added_vocab_end_index``), then padding. Token id = row of the full
+    tensor. A shard past the end of the vocabulary has no pairs.
+    """
+    pairs = []
+    n_org = shard.org_vocab_end_index - shard.org_vocab_start_index
+    if n_org > 0:
+        pairs.append((slice(0, n_org), slice(shard.org_vocab_start_index, shard.org_vocab_end_index)))
+    n_added = shard.added_vocab_end_index - shard.added_vocab_start_index
+    if n_added > 0:
+        first = shard.padded_org_vocab_end_index - shard.padded_org_vocab_start_index
+        pairs.append((slice(first, first + n_added),
+                      slice(shard.added_vocab_start_index, shard.added_vocab_end_index)))
+    return pairs
+
+
+def real_vocab_rows(
+    actual: torch.Tensor, expected: torch.Tensor, shard: Any
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of a vocabulary shard that hold tokens, and the same tokens' rows of the full tensor sent.
+
+    None when the shard holds padding only. Rows of added (LoRA) tokens are
+    left out when the tensor sent does not have them.
+    """
+    pairs = [(mine, full) for mine, full in vocab_shard_rows(shard) if full.stop <= expected.shape[0]]
+    if not pairs:
+        return None
+    return torch.cat([actual[mine] for mine, _ in pairs]), torch.cat([expected[full] for _, full in pairs])
+
+
+def _vocab_shards(model: torch.nn.Module) -> dict[str, Any]:
+    """Parameter name -> shard indices, for the vocabulary-sharded parameters of vLLM's embedding layers."""
+    out: dict[str, Any] = {}
+    for prefix, module in model.named_modules():
+        shard = getattr(module, "shard_indices", None)
+        if shard is None or not hasattr(shard, "org_vocab_start_index"):
+            continue
+        for pname, param in module.named_parameters(recurse=False):
+            # vLLM marks the dimension it shards the vocabulary on as output_dim (0 for these weights)
+            if getattr(param, "output_dim", None) == 0 and getattr(param, "packed_dim", None) is None:
+                out[f"{prefix}.{pname}" if prefix else pname] = shard
+    return out
 
 
 def _expected(name: str, received: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> torch.Tensor | None:

@@ -40,8 +40,18 @@ def reference(init_seed: int = 0) -> torch.nn.Module:
 
 
 class TestVLLMConformance(RolloutEngineSpec):
+    """The spec suite on vLLM's CPU build.
+
+    ``eos_token_ids=[]``: the spec lets only a request's own stop ids end a
+    completion early (the model's EOS counts only when the request lists
+    it). ``context_limit``: vLLM runs with ``max_model_len`` 512, shorter
+    than the model's 4096 positions that the suite would otherwise take as
+    the limit.
+    """
+
     backend = "vllm"
-    options = tiny_options()
+    options = tiny_options(eos_token_ids=[])
+    context_limit = tiny_options()["max_model_len"]
 
     def weights(self):
         return dict(reference(init_seed=1).state_dict())
@@ -212,6 +222,55 @@ def test_requests_held_across_an_update_carry_both_versions(loop, engine):
         assert versions[0] == old and versions[-1] == old + 1, versions[:3] + versions[-3:]
         switch = versions.index(old + 1)
         assert set(versions[:switch]) == {old} and set(versions[switch:]) == {old + 1}
+
+
+def test_pause_wait_lets_accepted_requests_finish_and_holds_later_ones(loop, engine):
+    """pause(WAIT) just after generate() accepted requests waits for them; requests sent later wait for resume.
+
+    vLLM's own ``wait`` mode drains only the requests it is running: one
+    still in its waiting queue, or not yet handed to it, stays held until
+    resume, so pause(WAIT) returned with them in flight and a caller waiting
+    for them waited forever. Here no request has reached vLLM when the pause
+    comes (their tasks have not run yet).
+    """
+
+    async def body():
+        first = asyncio.ensure_future(_collect(engine.generate(
+            [req(f"pw{i}", max_new_tokens=20, stop_token_ids=()) for i in range(3)])))
+        await asyncio.sleep(0)  # generate() has accepted them; none has sampled, or reached vLLM
+        assert sorted(engine._active) == ["pw0", "pw1", "pw2"]
+        assert all(s.generated == 0 for s in engine._active.values())
+        await engine.pause(PauseMode.WAIT)
+        assert not any(rid.startswith("pw") for rid in engine._active), "pause(WAIT) returned before they finished"
+        assert await engine._llm.is_paused()
+        done = await asyncio.wait_for(first, 60)
+        later = asyncio.ensure_future(_collect(engine.generate(
+            [req("pw-held", max_new_tokens=3, stop_token_ids=()), req("pw-aborted", max_new_tokens=3)])))
+        while len(engine._active) < 2:
+            await asyncio.sleep(0.005)
+        assert await engine.abort(["pw-aborted"]) == ["pw-aborted"]  # a held request can still be aborted
+        while "pw-aborted" in engine._active:
+            await asyncio.sleep(0.005)
+        held = engine._active["pw-held"]
+        assert held.generated == 0 and not held.hold.is_set() and not later.done()
+        await engine.pause(PauseMode.KEEP)  # a second pause changes nothing for the held request ...
+        await engine.resume()  # ... and resume lets it go on to vLLM
+        # a pause that holds a request in flight cannot also wait for it
+        kept = asyncio.ensure_future(_collect(engine.generate([req("pw-kept", max_new_tokens=400, stop_token_ids=())])))
+        while "pw-kept" not in engine._active or engine._active["pw-kept"].generated < 2:
+            await asyncio.sleep(0.005)
+        await engine.pause(PauseMode.KEEP)
+        with pytest.raises(ValueError, match="would wait forever"):
+            await engine.pause(PauseMode.WAIT)
+        await engine.resume()
+        return done, await asyncio.wait_for(later, 60), await asyncio.wait_for(kept, 120)
+
+    done, later, kept = loop.run(body())
+    assert [(r.finish_reason, len(r.token_ids)) for r in done] == [(FinishReason.LENGTH, 20)] * 3
+    by_id = {r.request_id: r for r in later}
+    assert by_id["pw-held"].finish_reason is FinishReason.LENGTH and len(by_id["pw-held"].token_ids) == 3
+    assert by_id["pw-aborted"].finish_reason is FinishReason.ABORT and len(by_id["pw-aborted"].token_ids) == 0
+    assert kept[0].finish_reason is FinishReason.LENGTH and len(kept[0].token_ids) == 400
 
 
 def test_version_range_and_options_are_checked():
