@@ -22,7 +22,10 @@ the trainer publishes version v:
 The check runs beside the gathering of the next batch; the train stage
 waits for it only before its next optimizer step (the trainer must still be
 at v), so on a pipeline whose rollout keeps up it costs the trainer one
-small forward pass. The result lands in the step's metrics
+small forward pass. The canary follows the run's
+:class:`~asyncflow_core.flow.events.VersionPublished` event
+(:meth:`Canary.published`); the train stage calls :meth:`Canary.before_step`
+before each optimizer step. The result lands in the step's metrics
 (``canary/mean_abs_dlogp`` ...), a warning above ``canary.warn_above``, and
 past ``canary.stop_above`` the run stops with a :class:`RunStopped` naming
 the engine and the mismatch.
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 
 from asyncflow_core import columns as C
+from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.stage import FlowContext, RunStopped
 from asyncflow_core.types import Batch, FinishReason, GenerationRequest, RaggedTensor, SamplingParams
 
@@ -86,13 +90,14 @@ class Canary:
     def bind(self, ctx: FlowContext) -> None:
         self.ctx = ctx
 
-    # -- what the train stage calls ------------------------------------------------------
+    # -- what the run calls ----------------------------------------------------------------
 
-    def published(self, version: int, batch: Batch) -> None:
-        """The trainer published ``version`` after training on ``batch``: start a check when one is due."""
+    def published(self, event: VersionPublished) -> None:
+        """The trainer published a version after training on the event's batch: start a check when one is due."""
+        version = event.version
         if self.every <= 0 or version <= 0 or version % self.every:
             return
-        prompts = _distinct_prompts(batch, self.samples)
+        prompts = _distinct_prompts(event.batch, self.samples)
         if prompts:
             self._pending[version] = asyncio.ensure_future(self._check(version, prompts))
 

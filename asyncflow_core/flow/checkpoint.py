@@ -22,14 +22,22 @@ restored weights: no prompt is trained on twice and none is skipped.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.events import VersionPublished
+from asyncflow_core.flow.ledger import Ledger
+from asyncflow_core.flow.telemetry import Timeline
+
+log = logging.getLogger("asyncflow.flow")
 
 LATEST = "latest"
 STATE = "state.json"
@@ -101,3 +109,35 @@ def latest_checkpoint(run_dir: Path) -> tuple[Path, CheckpointState]:
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"checkpoint {path} is unreadable ({type(exc).__name__}: {exc})") from exc
     return path, state
+
+
+@dataclass
+class Checkpointer:
+    """Saves a checkpoint on every ``every``-th published version and the last one (a ``VersionPublished`` subscriber).
+
+    It holds the trainer's lock while saving (the trainer runs one call at a
+    time) and records a ``checkpoint`` span on the train lane.
+    """
+
+    run_dir: Path
+    trainer: Any
+    ledger: Ledger
+    data: dict[str, Any]  #: the data order's fingerprint
+    tokens: Callable[[], int]  #: tokens trained so far (the step logger's count)
+    every: int
+    total_steps: int
+    keep: int
+    lock: asyncio.Lock
+    timeline: Timeline
+
+    async def on_version_published(self, event: VersionPublished) -> None:
+        version = event.version
+        if version % self.every and version < self.total_steps:
+            return
+        with self.timeline.span("train", "checkpoint"):
+            async with self.lock:
+                led = self.ledger
+                state = CheckpointState(version=version, trained=sorted(led.trained), dropped=dict(led.dropped),
+                                        data=self.data, counters=dict(led.counters), tokens_trained=self.tokens())
+                where = await save_checkpoint(self.run_dir, self.trainer, state, keep=self.keep)
+        log.info("checkpoint of version %d in %s", version, where)

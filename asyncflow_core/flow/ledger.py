@@ -12,6 +12,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncflow_core.flow.outcomes import RowOutcome
 from asyncflow_core.types import PromptRecord
 
 
@@ -31,7 +32,7 @@ class Ledger:
     requeue: deque[GroupInfo] = field(default_factory=deque)  #: prompts to start again (no new admission)
     admitted: int = 0  #: prompts admitted (each dataset record visit once)
     trained: set[int] = field(default_factory=set)  #: prompt uids trained on
-    dropped: dict[int, str] = field(default_factory=dict)  #: prompt uid -> reason
+    dropped: dict[int, str] = field(default_factory=dict)  #: prompt uid -> reason (a RowOutcome's value)
     counters: Counter[str] = field(default_factory=Counter)
     _next_group: int = 0
 
@@ -61,18 +62,20 @@ class Ledger:
             raise AssertionError(f"prompt {info.prompt_uid} settled twice (group {group_id})")
         self.trained.add(info.prompt_uid)
 
-    def mark_dropped(self, group_id: int, reason: str) -> None:
+    def mark_dropped(self, group_id: int, reason: RowOutcome) -> None:
+        """Settle the group's prompt for good as ``reason`` (failed, filtered or stale; counted ``dropped_<reason>``)."""
         info = self.groups.pop(group_id)
         if info.prompt_uid in self.trained or info.prompt_uid in self.dropped:
             raise AssertionError(f"prompt {info.prompt_uid} settled twice (group {group_id})")
-        self.dropped[info.prompt_uid] = reason
-        self.counters[f"dropped_{reason}"] += 1
+        self.dropped[info.prompt_uid] = reason.value
+        self.counters[f"dropped_{reason.value}"] += 1
 
-    def mark_requeued(self, group_id: int, reason: str) -> None:
+    def mark_requeued(self, group_id: int, reason: RowOutcome) -> None:
+        """Start the group's prompt again as a new group (counted ``requeued_<reason>``)."""
         info = self.groups.pop(group_id)
         info.attempt += 1
         self.requeue.append(info)
-        self.counters[f"requeued_{reason}"] += 1
+        self.counters[f"requeued_{reason.value}"] += 1
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -22,7 +22,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from asyncflow_core import columns as C
@@ -30,7 +29,8 @@ from asyncflow_core.config.loader import ResolvedConfig
 from asyncflow_core.config.redact import default_redactor, install_log_redaction, redact_config
 from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
 from asyncflow_core.flow.canary import Canary
-from asyncflow_core.flow.checkpoint import CheckpointState, latest_checkpoint, save_checkpoint
+from asyncflow_core.flow.checkpoint import Checkpointer, CheckpointState, latest_checkpoint
+from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.ledger import Ledger
 from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage
 from asyncflow_core.flow.stages import (
@@ -332,29 +332,25 @@ class FlowRuntime:
         train = TrainStage(
             trainer, algorithm, transport, rollout, consumes=adv_inputs, total_steps=cfg.trainer.total_steps,
             bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20)), deadline_s=cfg.weight_transport.deadline_s,
-            colocated=colocated, on_step=step_log.on_step,
+            colocated=colocated,
         )
-        if cfg.trainer.checkpoint_every:
-            run_dir = self.run_dir
-            assert run_dir is not None
-
-            async def checkpoint(version: int) -> None:
-                led = ctx.ledger
-                state = CheckpointState(version=version, trained=sorted(led.trained), dropped=dict(led.dropped),
-                                        data=data_print, counters=dict(led.counters), tokens_trained=step_log.tokens)
-                where = await save_checkpoint(run_dir, trainer, state, keep=cfg.trainer.keep_checkpoints)
-                log.info("checkpoint of version %d in %s", version, where)
-
-            train.checkpoint = checkpoint
-            train.checkpoint_every = cfg.trainer.checkpoint_every
         train.sampler = cfg.sampler.name
         if needs_old or needs_values:
             train.engine_lock = trainer_lock
         stages.append(train)
+        # VersionPublished subscribers after the context's wake-up (weight sync), in this order (flow/events.py)
         canary = self._canary(rollout, trainer, train.engine_lock, sampling, ctx)
         if canary is not None:
             train.canary = canary
             step_log.extras.append(canary.take_metrics)
+            ctx.events.subscribe(VersionPublished, canary.published, name="canary")
+        ctx.events.subscribe(VersionPublished, step_log.on_step, name="metrics")
+        if cfg.trainer.checkpoint_every:
+            assert self.run_dir is not None
+            ckpt = Checkpointer(self.run_dir, trainer, ctx.ledger, data_print, lambda: step_log.tokens,
+                                every=cfg.trainer.checkpoint_every, total_steps=cfg.trainer.total_steps,
+                                keep=cfg.trainer.keep_checkpoints, lock=train.engine_lock, timeline=timeline)
+            ctx.events.subscribe(VersionPublished, ckpt.on_version_published, name="checkpoint")
 
         wall0 = time.perf_counter()
         sim0 = clock()
@@ -533,9 +529,10 @@ class _StepLogger:
     def started(self) -> None:
         self._last_end = self.ctx.clock()
 
-    async def on_step(self, version: int, t_begin: float, batch: Batch, metrics: dict[str, float], report: Any,
-                      lag: torch.Tensor) -> None:
+    async def on_step(self, event: VersionPublished) -> None:
+        """The step's metrics record (a ``VersionPublished`` subscriber)."""
         ctx = self.ctx
+        version, batch, metrics, report, lag = event.step, event.batch, event.metrics, event.report, event.lag
         now = ctx.clock()
         resp = batch[C.RESPONSE_IDS]
         prompt = batch[C.PROMPT_IDS]

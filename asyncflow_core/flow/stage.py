@@ -7,10 +7,11 @@ columns out) and inherit the loop; the rollout and train stages override
 ``run`` because they schedule engines.
 
 Rows a stage fails on are not lost and do not stop the pipeline: the stage
-writes placeholder values for its outputs, the row is recorded as failed
-(with the error) in :class:`FlowContext`, later stages skip it, and the
-trainer drops its prompt group (counted). A failure rate above
-``pipeline.max_failure_rate`` stops the run with a clear message.
+writes placeholder values for its outputs, the row is settled as failed
+(with the error) in the context's :class:`~asyncflow_core.flow.outcomes.RowOutcomes`,
+later stages skip it, and the trainer drops its prompt group (counted). A
+failure rate above ``pipeline.max_failure_rate`` stops the run with a clear
+message.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-
 import torch
 
 from asyncflow_core import columns as C
 from asyncflow_core.errors import AsyncflowError
+from asyncflow_core.flow.events import Events, VersionPublished
 from asyncflow_core.flow.ledger import Ledger
+from asyncflow_core.flow.outcomes import ReasonTexts, RowOutcomes, merge_outputs
 from asyncflow_core.flow.telemetry import Timeline
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
 from asyncflow_core.types import Batch, Column, RaggedTensor
@@ -82,7 +84,6 @@ class FlowContext:
     min_samples_for_rate: int = 32
     version: int = 0  #: trainer version (published weights)
     published: int = 0  #: newest version staged in the weight transport
-    failed: dict[int, str] = field(default_factory=dict)  #: row id -> error of rows a stage failed on
     counters: Counter[str] = field(default_factory=Counter)
     processed: Counter[str] = field(default_factory=Counter)  #: rows processed per stage
     reward_extra: dict[int, dict[str, float]] = field(default_factory=dict)  #: row id -> a reward's extra values
@@ -91,6 +92,17 @@ class FlowContext:
     listeners: list[asyncio.Event] = field(default_factory=list)  #: also set on every notify and on halt
     #: tasks in :meth:`wait_for`: (predicate, future); :meth:`notify` resolves those whose predicate holds
     waiting: list[tuple[Callable[[], bool], asyncio.Future]] = field(default_factory=list, repr=False)
+    outcomes: RowOutcomes = field(init=False, repr=False)  #: rows settled failed, filtered or stale
+    events: Events = field(default_factory=Events, repr=False)  #: run events (flow/events.py)
+
+    def __post_init__(self) -> None:
+        self.outcomes = RowOutcomes(lambda: self.counters)
+        self.events.subscribe(VersionPublished, lambda _: self.notify(), name="context")  # always first
+
+    @property
+    def failed(self) -> Mapping[int, str]:
+        """Row id -> one-line reason of every settled row (``stale``, ``filtered:<stage>``, ``<stage>: <error>``)."""
+        return ReasonTexts(self.outcomes.reasons)
 
     async def notify(self) -> None:
         """Version, published weights or the ledger changed: wake the listeners and the waiters now satisfied."""
@@ -123,21 +135,14 @@ class FlowContext:
         self.waiting = still
 
     def fail_rows(self, stage: str, row_ids: Sequence[int], error: str) -> None:
-        for r in row_ids:
-            self.failed.setdefault(int(r), f"{stage}: {error}")
-        self.counters[f"failed_{stage}"] += len(row_ids)
+        self.outcomes.fail(stage, row_ids, error)
         total = sum(self.processed.values())
-        failures = sum(v for k, v in self.counters.items() if k.startswith("failed_"))
+        failures = self.outcomes.failures()
         if total >= self.min_samples_for_rate and failures / total > self.max_failure_rate:
             self.halt(
                 f"{failures} of {total} rows failed (> pipeline.max_failure_rate={self.max_failure_rate}); "
                 f"last error in stage {stage!r}: {error}. Fix the stage or raise the limit"
             )
-
-    def failed_mask(self, row_ids: torch.Tensor) -> torch.Tensor:
-        if not self.failed:
-            return torch.zeros(row_ids.numel(), dtype=torch.bool)
-        return torch.tensor([int(r) in self.failed for r in row_ids.tolist()], dtype=torch.bool)
 
     def halt(self, reason: str) -> None:
         if self.stop_reason is None:
@@ -229,8 +234,7 @@ class Stage(abc.ABC):
     async def handle(self, meta: BatchMeta, batch: Batch) -> None:
         """Process ``batch``, isolating failing rows, and write the outputs to ``meta``'s rows."""
         ctx = self.ctx
-        failed = ctx.failed_mask(meta.row_ids)
-        good = (~failed).nonzero().squeeze(1)
+        good = (~ctx.outcomes.mask(meta.row_ids)).nonzero().squeeze(1)
         out_cols: dict[str, Column] | None = None
         versions = None
         if good.numel():
@@ -242,14 +246,12 @@ class Stage(abc.ABC):
             except Exception as exc:  # noqa: BLE001 - isolate the failing rows below
                 res = await self._rowwise(sub, exc)
             if res.drop is not None:
-                rows = (sub.row_ids if sub.row_ids is not None else meta.row_ids[good])[res.drop.to(torch.bool)]
-                for r in rows.tolist():
-                    ctx.failed.setdefault(int(r), f"filtered:{self.name}")
-                ctx.counters[f"filtered_{self.name}"] += int(rows.numel())
+                ctx.outcomes.filter(self.name, (sub.row_ids if sub.row_ids is not None
+                                                else meta.row_ids[good])[res.drop.to(torch.bool)])
             if good.numel() == batch.num_rows:
                 out_cols, versions = dict(res.columns), res.versions
             else:
-                out_cols = _scatter(batch, good, dict(res.columns), self.placeholder(batch))
+                out_cols = merge_outputs(batch, good, res.columns, self.placeholder(batch))
         else:
             out_cols = self.placeholder(batch)
         ctx.processed[self.name] += int(good.numel())
@@ -279,18 +281,3 @@ def _cat_columns(parts: list[dict[str, Column]]) -> dict[str, Column]:
         out[name] = RaggedTensor.cat(cols) if isinstance(cols[0], RaggedTensor) else torch.cat(cols)  # type: ignore[arg-type]
     return out
 
-
-def _scatter(batch: Batch, good: torch.Tensor, values: dict[str, Column], fill: dict[str, Column]) -> dict[str, Column]:
-    """Merge outputs computed for rows ``good`` into placeholders for all rows (row order kept)."""
-    n = batch.num_rows
-    pos = torch.full((n,), -1, dtype=torch.int64)
-    pos[good] = torch.arange(good.numel())
-    out: dict[str, Column] = {}
-    for name, filler in fill.items():
-        v = values[name]
-        rows: list[Column] = []
-        for i in range(n):
-            src, j = (v, int(pos[i])) if pos[i] >= 0 else (filler, i)
-            rows.append(src.select(torch.tensor([j])) if isinstance(src, RaggedTensor) else src[j : j + 1])
-        out[name] = RaggedTensor.cat(rows) if isinstance(rows[0], RaggedTensor) else torch.cat(rows)  # type: ignore[arg-type]
-    return out

@@ -23,6 +23,8 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.errors import AsyncflowError, ConfigError, EngineError
 from asyncflow_core.flow import staleness as S
+from asyncflow_core.flow.events import VersionPublished
+from asyncflow_core.flow.outcomes import RowOutcome, merge_outputs
 from asyncflow_core.flow.stage import RunStopped, Stage, StageOutput
 from asyncflow_core.flow.tokenizer import Tokenizer
 from asyncflow_core.interfaces import (
@@ -50,14 +52,6 @@ from asyncflow_core.types import (
 log = logging.getLogger("asyncflow.flow")
 
 ROLLOUT_OUT = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.TRUNCATED)
-
-#: why a marked row's group is dropped, most important first
-_REASON_RANK = {"failed": 0, "filtered": 1, "stale": 2}
-
-
-def _drop_reason(mark: str) -> str:
-    return "stale" if mark == "stale" else "filtered" if mark.startswith("filtered") else "failed"
-
 
 def _as_tuple(values: Sequence[Any] | torch.Tensor) -> tuple:
     """A result field (sequence or 1-D tensor) as a tuple of Python numbers, without a per-element loop.
@@ -536,8 +530,7 @@ class RolloutStage(Stage):
         """A generation that can no longer be used: start it again on fresh weights (requeue) or drop its group."""
         ctx = self.ctx
         if ctx.stale_policy == "drop":
-            ctx.failed.setdefault(req.row, "stale")
-            ctx.counters["stale_rows_dropped"] += 1
+            ctx.outcomes.stale(req.row)
             self._spawn(self._write(req, None))
             return
         req.prefix_ids, req.prefix_lps, req.prefix_versions = (), (), ()
@@ -836,11 +829,7 @@ class AdvantageStage(Stage):
     async def handle(self, meta: BatchMeta, batch: Batch) -> None:
         # a group with a failed row is skipped whole (the trainer drops it); others get advantages
         ctx = self.ctx
-        failed = ctx.failed_mask(meta.row_ids)
-        gids = batch[C.GROUP_ID]
-        if bool(failed.any()):
-            failed = torch.isin(gids, gids[failed])
-        good = (~failed).nonzero().squeeze(1)
+        good = (~ctx.outcomes.group_mask(meta.row_ids, batch[C.GROUP_ID])).nonzero().squeeze(1)
         out = self.placeholder(batch)
         if good.numel():
             sub = batch if good.numel() == batch.num_rows else batch.select(good)
@@ -848,16 +837,8 @@ class AdvantageStage(Stage):
             adv = result[C.ADVANTAGES]
             if C.FILTERED in result.columns:
                 # dynamic sampling: the algorithm filters these samples out; the trainer drops their groups
-                rows = meta.row_ids[good][result[C.FILTERED].to(torch.bool).reshape(-1)]
-                for r in rows.tolist():
-                    ctx.failed.setdefault(int(r), f"filtered:{self.name}")
-                ctx.counters[f"filtered_{self.name}"] += int(rows.numel())
-            if good.numel() == batch.num_rows:
-                out = {C.ADVANTAGES: adv}
-            else:
-                from asyncflow_core.flow.stage import _scatter
-
-                out = _scatter(batch, good, {C.ADVANTAGES: adv}, out)
+                ctx.outcomes.filter(self.name, meta.row_ids[good][result[C.FILTERED].to(torch.bool).reshape(-1)])
+            out = merge_outputs(batch, good, {C.ADVANTAGES: adv}, out)
         ctx.processed[self.name] += int(good.numel())
         await ctx.store.put(out, rows=meta)
 
@@ -866,7 +847,11 @@ class AdvantageStage(Stage):
 
 
 class TrainStage(Stage):
-    """Takes B fresh prompt groups per step, trains, publishes weights; stale and failed groups settle here."""
+    """Takes B fresh prompt groups per step, trains, publishes weights; stale and failed groups settle here.
+
+    After each step it stages the new weights and announces :class:`~asyncflow_core.flow.events.VersionPublished`;
+    weight sync, the canary, the step's metrics and checkpoints follow that event (flow/events.py).
+    """
 
     name = "train"
     sampler = "group"
@@ -875,7 +860,6 @@ class TrainStage(Stage):
     def __init__(
         self, engine: TrainEngine, algorithm: Algorithm, transport: WeightTransport, rollout: RolloutStage | None, *,
         consumes: Sequence[str], total_steps: int, bucket_bytes: int, deadline_s: float, colocated: bool,
-        on_step: Any,
     ) -> None:
         self.engine = engine
         self.algorithm = algorithm
@@ -886,10 +870,7 @@ class TrainStage(Stage):
         self.bucket_bytes = bucket_bytes
         self.deadline_s = deadline_s
         self.colocated = colocated
-        self.on_step = on_step
-        self.checkpoint: Any = None  #: async callable(version) saving a resumable checkpoint, or None
         self.engine_lock = asyncio.Lock()  #: held for every trainer call (shared with the `old` log-prob stage)
-        self.checkpoint_every = 0
         self.staleness_hist: Counter[int] = Counter()
         self.canary: Any = None  #: a :class:`~asyncflow_core.flow.canary.Canary` checking the replicas' weights, or None
 
@@ -966,15 +947,8 @@ class TrainStage(Stage):
             if self.colocated and self.rollout is not None:
                 with ctx.timeline.span(self.name, "wake"):
                     await self.rollout.wake_all()
-            await ctx.notify()
-            if self.canary is not None:
-                self.canary.published(self.engine.version, train_batch)
-            await self.on_step(v, t_begin, train_batch, metrics, report, lag)
-            if self.checkpoint is not None and (self.engine.version % self.checkpoint_every == 0
-                                                or self.engine.version >= self.total_steps):
-                with ctx.timeline.span(self.name, "checkpoint"):
-                    async with self.engine_lock:
-                        await self.checkpoint(self.engine.version)
+            await ctx.events.publish(VersionPublished(self.engine.version, report.version, v, train_batch, metrics,
+                                                      report, lag, t_begin))
         if self.engine.version >= self.total_steps:
             ctx.halt("done")
 
@@ -983,24 +957,16 @@ class TrainStage(Stage):
         groups outside the staleness bound are re-queued or dropped per the policy."""
         ctx = self.ctx
         gids = batch[C.GROUP_ID]
-        marked = ctx.failed_mask(meta.row_ids)
-        settled = torch.zeros_like(marked)
-        if bool(marked.any()):
-            reasons: dict[int, str] = {}
-            for gid, row, is_marked in zip(gids.tolist(), meta.row_ids.tolist(), marked.tolist(), strict=True):
-                if is_marked:
-                    why = _drop_reason(ctx.failed[int(row)])
-                    if _REASON_RANK[why] < _REASON_RANK.get(reasons.get(gid, ""), 99):
-                        reasons[gid] = why
-            for g, why in reasons.items():
-                ctx.ledger.mark_dropped(int(g), why)
-            settled = torch.isin(gids, torch.tensor(list(reasons), dtype=gids.dtype))
+        reasons = ctx.outcomes.group_reasons(meta.row_ids, gids)
+        for g, why in reasons.items():
+            ctx.ledger.mark_dropped(int(g), why)
+        settled = torch.isin(gids, torch.tensor(list(reasons), dtype=gids.dtype))
         fresh, stale = S.split_fresh_groups(v, ctx.k, gids, meta.min_version)
         fresh = fresh & ~settled
         stale = stale & ~settled
         for g in torch.unique(gids[stale]).tolist():
             if ctx.stale_policy == "drop":
-                ctx.ledger.mark_dropped(int(g), "stale")
+                ctx.ledger.mark_dropped(int(g), RowOutcome.STALE)
             else:
-                ctx.ledger.mark_requeued(int(g), "stale")
+                ctx.ledger.mark_requeued(int(g), RowOutcome.STALE)
         return fresh.nonzero().squeeze(1)
