@@ -19,3 +19,6 @@ LOGPROBS = "logprobs"  #: ragged float32: output of TrainEngine.compute_logprobs
 FILTERED = "filtered"  #: dense bool [n]: an algorithm filters this sample out (dynamic sampling); its group is dropped
 TRUNCATED = "truncated"  #: dense bool [n]: generation stopped at max_new_tokens (finish reason ``length``)
 VALUE_PREDS = "value_preds"  #: ragged float32: value-head predictions with grad, put in micro-batches by the trainer
+#: ragged bool or uint8, optional, aligned with response_ids: 1 = the loss applies to the token (the policy sampled
+#: it), 0 = the token contributes nothing (prompt, observation, tool tokens). Absent: every response token counts.
+LOSS_MASK = "loss_mask"

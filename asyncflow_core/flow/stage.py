@@ -54,11 +54,12 @@ STANDARD_COLUMN_TYPES: dict[str, tuple[str, torch.dtype]] = {
     C.FILTERED: ("dense", torch.bool),
     C.TRUNCATED: ("dense", torch.bool),
     C.VALUE_PREDS: ("ragged", torch.float32),
+    C.LOSS_MASK: ("ragged", torch.bool),
 }
 
 #: Ragged standard columns with one value per response token (their offsets are the response's).
 _PER_RESPONSE_TOKEN = frozenset({C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.OLD_LOGPROBS, C.REF_LOGPROBS, C.VALUES,
-                                 C.ADVANTAGES, C.RETURNS, C.LOGPROBS, C.VALUE_PREDS})
+                                 C.ADVANTAGES, C.RETURNS, C.LOGPROBS, C.VALUE_PREDS, C.LOSS_MASK})
 _RESPONSE_IDS = C.RESPONSE_IDS
 
 

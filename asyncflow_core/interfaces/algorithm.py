@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncflow_core import columns as C
 from asyncflow_core.types import Batch, RaggedTensor
 
 
@@ -25,12 +26,54 @@ class LossContext:
 
     ``global_tokens`` and ``global_sequences`` count the response tokens and
     sequences of the *whole* optimizer step (all micro-batches, all ranks), so
-    that summing micro-batch losses gives the full-batch loss.
+    that summing micro-batch losses gives the full-batch loss. When the batch
+    has a ``loss_mask`` column, ``global_tokens`` counts only the tokens the
+    loss applies to (mask 1); masked tokens (prompt, observation, tool tokens)
+    are not counted. Trainers build it with :meth:`of`.
     """
 
     global_tokens: int
     global_sequences: int
     policy_version: int
+
+    @classmethod
+    def of(cls, batch: Batch, policy_version: int) -> LossContext:
+        """The context of an optimizer step over ``batch`` (every row of the step): counts of at least 1."""
+        return cls(global_tokens=max(cls.count_tokens(batch), 1), global_sequences=max(batch.num_rows, 1),
+                   policy_version=policy_version)
+
+    @staticmethod
+    def token_mask(batch: Batch) -> torch.Tensor | None:
+        """The ``loss_mask`` column as bool per packed response token, or ``None`` when the batch has none.
+
+        Raises ``ValueError`` unless it is a ragged bool or uint8 column of 0/1
+        aligned with ``response_ids``.
+        """
+        col = batch.get(C.LOSS_MASK)
+        if col is None:
+            return None
+        resp = batch[C.RESPONSE_IDS]
+        if not isinstance(col, RaggedTensor) or col.values.dim() != 1:
+            raise ValueError(f"{C.LOSS_MASK} must be a ragged column with one 0/1 value per response token")
+        if col.values.dtype not in (torch.bool, torch.uint8):
+            raise ValueError(f"{C.LOSS_MASK} must be bool or uint8, got {col.values.dtype}; write 1 for tokens the "
+                             "loss applies to and 0 for the others")
+        if not isinstance(resp, RaggedTensor) or not torch.equal(col.offsets.cpu(), resp.offsets.cpu()):
+            raise ValueError(f"{C.LOSS_MASK} is not aligned with {C.RESPONSE_IDS} (different lengths per row); "
+                             "give one value per response token")
+        if col.values.dtype == torch.uint8:
+            if col.values.numel() and int(col.values.max()) > 1:
+                raise ValueError(f"{C.LOSS_MASK} holds values other than 0 and 1 (max {int(col.values.max())})")
+            return col.values.to(torch.bool)
+        return col.values
+
+    @staticmethod
+    def count_tokens(batch: Batch) -> int:
+        """Response tokens of ``batch`` the loss applies to: the unmasked ones with ``loss_mask``, else all."""
+        mask = LossContext.token_mask(batch)
+        if mask is None:
+            return batch[C.RESPONSE_IDS].numel_packed  # type: ignore[union-attr]
+        return int(mask.sum())
 
 
 class Algorithm(abc.ABC):
@@ -69,5 +112,8 @@ class Algorithm(abc.ABC):
         ``logprobs`` are the current policy's log-probs of ``batch["response_ids"]``
         (with grad). ``batch`` holds ``advantages`` and the required columns.
         Normalise by ``ctx`` (not by the micro-batch size) so that micro-batch
-        losses add up to the full-batch loss.
+        losses add up to the full-batch loss. When ``batch`` has a
+        ``loss_mask`` column (:meth:`LossContext.token_mask`), a token with
+        mask 0 must contribute nothing: its log-prob's gradient is exactly
+        zero and the loss equals that of the batch without it.
         """

@@ -106,10 +106,8 @@ class RankEngineDriver:
             algo_bytes = pickle.dumps(algorithm)
         except Exception as exc:
             raise ValueError(f"the algorithm must be picklable to reach the ranks: {exc}") from exc
-        resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
-        ctx = LossContext(global_tokens=max(resp.numel_packed, 1), global_sequences=max(batch.num_rows, 1),
-                          policy_version=self._version)
-        return algo_bytes, ctx
+        # global_tokens counts the tokens the loss applies to (the unmasked ones under a loss_mask column)
+        return algo_bytes, LossContext.of(batch, self._version)
 
     def _finish_step(self, replies: list[dict[str, Any]], passes: int) -> dict[str, float]:
         """Count the step (or say why it was skipped) and merge the answering ranks' sums into the step's metrics.

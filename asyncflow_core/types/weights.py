@@ -6,7 +6,7 @@ import asyncio
 import math
 import os
 import threading
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -379,7 +379,8 @@ class ModelTensors:
 
 
 async def collect_update(version: int, buckets: AsyncIterable[WeightBucket], *,
-                         model: ModelTensors | None = None) -> list[WeightBucket]:
+                         model: ModelTensors | None = None,
+                         partial: Collection[str] | None = None) -> list[WeightBucket]:
     """Every bucket of the update to ``version``, checked before anything of it is applied.
 
     The checks a rollout engine owes the weight-update contract (a refused
@@ -388,7 +389,26 @@ async def collect_update(version: int, buckets: AsyncIterable[WeightBucket], *,
     with ``model``, every name known with the model's shape and dtype and
     every tensor of the model covered. Raises :class:`WeightTransferError`
     saying which check failed.
+
+    ``partial`` declares an update that sets only some tensors (an adapter
+    set: a LoRA adapter's tensors, or only the modules it targets): the
+    names it carries. Then every declared tensor must arrive and nothing
+    else may; the model's other tensors keep their values. Without the
+    declaration an update that leaves a tensor of ``model`` unset is refused.
     """
+    declared: set[str] | None = None
+    if partial is not None:
+        if isinstance(partial, (str, bytes, bool)):
+            raise TypeError("partial takes the names of the tensors the update carries (a collection of str), "
+                            f"got {partial!r}")
+        declared = set(partial)
+        if not declared:
+            raise WeightTransferError(f"the partial update to version {version} declares no tensors")
+        if model is not None:
+            unknown = sorted(n for n in declared if n not in model.specs)
+            if unknown:
+                raise WeightTransferError(f"the partial update to version {version} declares {unknown[:3]}, not "
+                                          "tensors of this model")
     received = [bucket async for bucket in buckets]
     if not all(b.verified for b in received):  # free for buckets the transport already verified
         await asyncio.to_thread(verify_buckets, received)  # all at once, in parallel, off the event loop
@@ -401,6 +421,9 @@ async def collect_update(version: int, buckets: AsyncIterable[WeightBucket], *,
         for meta in bucket.metas:
             if model is not None:
                 model.check(meta)
+            if declared is not None and meta.name not in declared:
+                raise WeightTransferError(f"{meta.name!r} is not one of the {len(declared)} tensors the partial "
+                                          f"update to version {version} declares")
             if meta.name in names:
                 raise WeightTransferError(f"{meta.name!r} was sent twice in the update to version {version}")
             names.add(meta.name)
@@ -408,11 +431,19 @@ async def collect_update(version: int, buckets: AsyncIterable[WeightBucket], *,
         raise WeightTransferError(f"the update to version {version} carried no weight buckets")
     if not received[-1].last:
         raise WeightTransferError(f"the update to version {version} ended before its last bucket")
-    if model is not None:
+    if declared is not None:
+        unset = model.missing(names) if model is not None else list(declared - names)
+        missing = sorted(n for n in unset if n in declared)
+        if missing:
+            raise WeightTransferError(f"the partial update to version {version} left {len(missing)} of its "
+                                      f"{len(declared)} declared tensors unset, e.g. {missing[:3]}")
+    elif model is not None:
         missing = model.missing(names)
         if missing:
             raise WeightTransferError(
-                f"the update to version {version} left {len(missing)} of the model's tensors unset, e.g. {missing[:3]}"
+                f"the update to version {version} left {len(missing)} of the model's tensors unset, e.g. "
+                f"{missing[:3]}; an update of only some tensors (an adapter set) must say so: "
+                "collect_update(..., partial=names)"
             )
     return received
 

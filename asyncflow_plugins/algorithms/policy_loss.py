@@ -4,6 +4,13 @@ An algorithm subclasses :class:`PolicyGradientAlgorithm` and supplies the
 advantage estimator; the loss (clipped ratio, off-policy correction, KL to the
 reference, masks, aggregation) is written once, here. The formulas are in
 docs/algorithms.md.
+
+With a ``loss_mask`` column, a masked token contributes nothing: its log-prob
+(and value prediction) is cut from the graph, so its gradient is exactly
+zero; its per-token terms are replaced by zero (not multiplied by it, so a NaN
+in a masked token's inputs stays out); ``seq-mean-token-mean`` divides by the
+unmasked tokens of each row; and the token-level estimators (REINFORCE++,
+PPO) run on the unmasked tokens only, as if the masked ones were not there.
 """
 
 from __future__ import annotations
@@ -26,7 +33,33 @@ _K3_LOG_RATIO_BOUND = 20.0
 def token_rows(offsets: torch.Tensor) -> torch.Tensor:
     """Row index of every packed token (int64, one per token)."""
     lengths = offsets[1:] - offsets[:-1]
-    return torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+
+
+def kept_offsets(offsets: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Offsets of the ragged tensor left when only the tokens where ``keep`` is true remain (rows may empty)."""
+    counts = torch.zeros(offsets.numel() - 1, dtype=torch.int64, device=offsets.device)
+    counts.index_add_(0, token_rows(offsets), keep.to(torch.int64))
+    return torch.cat([offsets.new_zeros(1), counts.cumsum(0).to(offsets.dtype)])
+
+
+def kept_tokens(batch: Batch, keep: torch.Tensor, names: tuple[str, ...]) -> Batch:
+    """The token-aligned ragged columns ``names`` (those present) with only the tokens where ``keep`` is true."""
+    offsets = kept_offsets(batch[C.RESPONSE_IDS].offsets, keep)  # type: ignore[union-attr]
+    cols = {n: RaggedTensor(batch[n].values[keep], offsets) for n in names if n in batch}  # type: ignore[union-attr]
+    return Batch(cols, num_rows=batch.num_rows)
+
+
+def scatter_kept(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Back to every token: ``values`` (one per kept token) where ``keep`` is true, zero elsewhere."""
+    out = values.new_zeros(keep.numel())
+    out[keep] = values
+    return out
+
+
+def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask`` is true, exactly zero elsewhere (even where ``values`` is inf or NaN)."""
+    return torch.where(mask, values, values.new_zeros(()))
 
 
 def per_token(row_values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -50,18 +83,27 @@ def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator) -
 
 
 def aggregate(
-    losses: torch.Tensor, offsets: torch.Tensor, mode: str, ctx: LossContext, norm: int | None = None
+    losses: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    ctx: LossContext,
+    norm: int | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The micro-batch's share of the step loss from per-token losses (masked tokens already zero).
 
     Every mode divides by whole-step counts from ``ctx``, so micro-batch
-    results add up to the loss of the whole step.
+    results add up to the loss of the whole step. With ``mask`` (the
+    ``loss_mask`` column), a sequence's length in ``seq-mean-token-mean`` is
+    its count of unmasked tokens.
     """
     if mode == "token-mean":
         return losses.sum() / max(ctx.global_tokens, 1)
     if mode == "seq-mean-token-mean":
-        lengths = (offsets[1:] - offsets[:-1]).clamp(min=1).to(losses.dtype)
-        per_seq = torch.zeros(lengths.numel(), dtype=losses.dtype).index_add(0, token_rows(offsets), losses)
+        lengths = offsets[1:] - offsets[:-1] if mask is None else kept_offsets(offsets, mask).diff()
+        lengths = lengths.clamp(min=1).to(losses.dtype)
+        per_seq = torch.zeros(lengths.numel(), dtype=losses.dtype, device=losses.device)
+        per_seq = per_seq.index_add(0, token_rows(offsets), losses)
         return (per_seq / lengths).sum() / max(ctx.global_sequences, 1)
     if mode == "seq-mean-token-sum-norm":
         if norm is None:
@@ -184,12 +226,18 @@ class PolicyGradientAlgorithm(Algorithm):
         return rewards - cfg.overlong_penalty * excess / cfg.overlong_buffer
 
     def loss_mask(self, batch: Batch) -> torch.Tensor:
-        """Bool per token: the token contributes to the loss (overlong filtering masks truncated samples)."""
+        """Bool per token: the token contributes to the loss.
+
+        Overlong filtering masks truncated samples; a ``loss_mask`` column
+        masks its zero tokens.
+        """
         resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
-        keep = torch.ones(batch.num_rows, dtype=torch.bool)
+        keep = torch.ones(batch.num_rows, dtype=torch.bool, device=resp.offsets.device)
         if self.config.overlong_filter:
-            keep = ~self.truncated(batch)
-        return per_token(keep, resp.offsets)
+            keep = ~self.truncated(batch).to(resp.offsets.device)
+        mask = per_token(keep, resp.offsets)
+        column = LossContext.token_mask(batch)
+        return mask if column is None else mask & column.to(mask.device)
 
     # -- the loss ----------------------------------------------------------------------------------
 
@@ -201,6 +249,16 @@ class PolicyGradientAlgorithm(Algorithm):
         behavior = batch[C.BEHAVIOR_LOGPROBS].values.to(logp.dtype)  # type: ignore[union-attr]
         mask = self.loss_mask(batch)
         maskf = mask.to(logp.dtype)
+        by_column = C.LOSS_MASK in batch
+        if by_column:
+            # a masked token's log-prob leaves the graph: its gradient is exactly zero whatever its inputs hold
+            logp = torch.where(mask, logp, logp.detach())
+
+        def masked(values: torch.Tensor) -> torch.Tensor:
+            # without the column, the arithmetic of the overlong filter as before (bit for bit)
+            return zero_masked(values, mask) if by_column else values * maskf
+
+        col_mask = mask if by_column else None
 
         # the anchor of the ratio and the importance weight, per the declared correction
         weight = torch.ones_like(logp)
@@ -215,20 +273,20 @@ class PolicyGradientAlgorithm(Algorithm):
             ratio = torch.minimum(ratio, torch.full_like(ratio, cfg.is_cap))
         clipped = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
         pg = -torch.minimum(ratio * adv, clipped * adv) * weight
-        token_loss = pg * maskf
-        pg_loss = aggregate(token_loss, offsets, cfg.loss_agg, ctx, cfg.agg_norm)
+        token_loss = masked(pg)
+        pg_loss = aggregate(token_loss, offsets, cfg.loss_agg, ctx, cfg.agg_norm, col_mask)
         total = pg_loss
 
         metrics: dict[str, float] = {}
         if cfg.kl_coef > 0:
             ref = batch[C.REF_LOGPROBS].values.to(logp.dtype)  # type: ignore[union-attr]
-            kl = kl_estimate(logp, ref.detach(), cfg.kl_estimator) * maskf
-            total = total + cfg.kl_coef * aggregate(kl, offsets, cfg.loss_agg, ctx, cfg.agg_norm)
+            kl = masked(kl_estimate(logp, ref.detach(), cfg.kl_estimator))
+            total = total + cfg.kl_coef * aggregate(kl, offsets, cfg.loss_agg, ctx, cfg.agg_norm, col_mask)
             metrics["kl"] = _masked_mean(kl.detach(), mask)
         if cfg.entropy_coef > 0:
             # grad H = -E[grad log p(a) * log p(a)] over sampled a, so this surrogate descends -H
-            surrogate = logp.detach() * logp * maskf
-            total = total + cfg.entropy_coef * aggregate(surrogate, offsets, cfg.loss_agg, ctx, cfg.agg_norm)
+            surrogate = masked(logp.detach() * logp)
+            total = total + cfg.entropy_coef * aggregate(surrogate, offsets, cfg.loss_agg, ctx, cfg.agg_norm, col_mask)
             metrics["entropy"] = _masked_mean(-logp.detach(), mask, empty=0.0)
         extra, extra_metrics = self._extra_loss(batch, mask, ctx)
         if extra is not None:
@@ -264,7 +322,7 @@ class PolicyGradientAlgorithm(Algorithm):
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor, empty: float = 0.0) -> float:
     n = int(mask.sum())
-    return float((values * mask.to(values.dtype)).sum() / n) if n else empty
+    return float(zero_masked(values, mask).sum() / n) if n else empty
 
 
 def group_index(groups: torch.Tensor, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,8 +9,15 @@ from asyncflow_core import columns as C
 from asyncflow_core.interfaces import LossContext
 from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_plugins.algorithms.options import VALUE_PREDS, AdvantageScope, PolicyLossOptions, RewardKLOptions
-from asyncflow_plugins.algorithms.policy_loss import PolicyGradientAlgorithm, aggregate, discounted_cumsum, whiten
-from asyncflow_plugins.algorithms.reinforce import reward_kl_columns, token_rewards
+from asyncflow_plugins.algorithms.policy_loss import (
+    PolicyGradientAlgorithm,
+    aggregate,
+    discounted_cumsum,
+    scatter_kept,
+    whiten,
+    zero_masked,
+)
+from asyncflow_plugins.algorithms.reinforce import reward_kl_columns, token_rewards, unmasked_view
 
 
 class PPOConfig(RewardKLOptions, PolicyLossOptions):
@@ -43,7 +50,9 @@ class PPO(PolicyGradientAlgorithm):
     ``1/2 max((V' - G)^2, (clip(V', V +- c) - G)^2)``, aggregated like the
     policy loss. ``V`` is the ``values`` column (pre-step estimates); ``V'``
     the ``value_preds`` column a value-head train engine adds, with grad, to
-    each micro-batch.
+    each micro-batch. Under a ``loss_mask``, GAE runs over the unmasked tokens
+    only (V and r of masked tokens are skipped, as if absent); masked tokens
+    get advantage and return 0 and no value loss.
     """
 
     config: PPOConfig
@@ -58,27 +67,37 @@ class PPO(PolicyGradientAlgorithm):
     def advantage_scope(self) -> AdvantageScope:
         return "step" if self.config.whiten_advantages else "group"
 
-    def _gae(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(advantages before whitening, returns), packed like ``response_ids``."""
+    def _gae(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(advantages before whitening, returns, loss mask): over every response token, or without a
+        ``loss_mask`` column; with one, packed over the unmasked tokens only and the mask to scatter them back."""
         cfg = self.config
-        offsets = batch[C.RESPONSE_IDS].offsets  # type: ignore[union-attr]
-        values = batch[C.VALUES].values.detach().to(torch.float32)  # type: ignore[union-attr]
-        rewards = token_rewards(cfg, self.shaped_rewards(batch), batch)
+        rewards = self.shaped_rewards(batch)  # from the whole rows (the overlong punishment counts every token)
+        view, keep = unmasked_view(batch)
+        offsets = view[C.RESPONSE_IDS].offsets  # type: ignore[union-attr]
+        values = view[C.VALUES].values.detach().to(torch.float32)  # type: ignore[union-attr]
+        token_r = token_rewards(cfg, rewards, view)
         # V_{t+1} within the row; the value after a row's last token is 0 (the episode ends)
         next_values = torch.zeros_like(values)
         next_values[:-1] = values[1:]
         ends = offsets[1:][offsets[1:] > offsets[:-1]] - 1
         next_values[ends] = 0.0
-        deltas = rewards + cfg.gamma * next_values - values
+        deltas = token_r + cfg.gamma * next_values - values
         adv = discounted_cumsum(deltas, offsets, cfg.gamma * cfg.lam)
-        return adv, adv + values
+        return adv, adv + values, keep
+
+    def _returns(self, batch: Batch) -> torch.Tensor:
+        """The value targets, packed like ``response_ids`` (0 on masked tokens)."""
+        _, returns, keep = self._gae(batch)
+        return returns if keep is None else scatter_kept(returns, keep)
 
     def compute_advantages(self, batch: Batch) -> Batch:
         cfg = self.config
         offsets = batch[C.RESPONSE_IDS].offsets  # type: ignore[union-attr]
-        adv, returns = self._gae(batch)
+        adv, returns, keep = self._gae(batch)
         if cfg.whiten_advantages:
             adv = whiten(adv, cfg.eps)
+        if keep is not None:
+            adv, returns = scatter_kept(adv, keep), scatter_kept(returns, keep)
         return batch.with_columns(
             **{C.ADVANTAGES: RaggedTensor(adv, offsets), C.RETURNS: RaggedTensor(returns, offsets)}
         )
@@ -96,9 +115,12 @@ class PPO(PolicyGradientAlgorithm):
                 "(features.supports_values) or set value_coef=0 to train the policy only"
             )
         preds = batch[VALUE_PREDS].values  # type: ignore[union-attr]
+        by_column = C.LOSS_MASK in batch
+        if by_column:  # a masked token's value prediction leaves the graph: exactly zero gradient
+            preds = torch.where(mask, preds, preds.detach())
         old = batch[C.VALUES].values.detach().to(preds.dtype)  # type: ignore[union-attr]
         # the returns survive only when the advantage and train batches are one object; else recompute (same rows)
-        returns = batch[C.RETURNS].values if C.RETURNS in batch else self._gae(batch)[1]  # type: ignore[union-attr]
+        returns = batch[C.RETURNS].values if C.RETURNS in batch else self._returns(batch)  # type: ignore[union-attr]
         returns = returns.detach().to(preds.dtype)
         err = (preds - returns) ** 2
         clip_frac = 0.0
@@ -110,5 +132,9 @@ class PPO(PolicyGradientAlgorithm):
                 clip_frac = float(((err_clipped > err) & mask).sum() / n) if n else 0.0
             err = torch.maximum(err, err_clipped)
         offsets = batch[C.RESPONSE_IDS].offsets  # type: ignore[union-attr]
-        value_loss = aggregate(0.5 * err * mask.to(err.dtype), offsets, cfg.loss_agg, ctx, cfg.agg_norm)
+        if by_column:
+            token_err = zero_masked(0.5 * err, mask)
+            value_loss = aggregate(token_err, offsets, cfg.loss_agg, ctx, cfg.agg_norm, mask)
+        else:
+            value_loss = aggregate(0.5 * err * mask.to(err.dtype), offsets, cfg.loss_agg, ctx, cfg.agg_norm)
         return cfg.value_coef * value_loss, {"value_loss": float(value_loss.detach()), "value_clip_fraction": clip_frac}

@@ -8,16 +8,35 @@ import torch
 from pydantic import Field
 
 from asyncflow_core import columns as C
+from asyncflow_core.interfaces import LossContext
 from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_plugins.algorithms.options import AdvantageScope, PolicyLossOptions, RewardKLOptions
 from asyncflow_plugins.algorithms.policy_loss import (
     PolicyGradientAlgorithm,
     discounted_cumsum,
     group_index,
+    kept_tokens,
     kl_estimate,
     last_token_rewards,
+    scatter_kept,
     whiten,
 )
+
+#: the token-aligned columns the token-level estimators read (kept to the unmasked tokens under a loss_mask)
+TOKEN_COLUMNS = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.REF_LOGPROBS, C.VALUES)
+
+
+def unmasked_view(batch: Batch) -> tuple[Batch, torch.Tensor | None]:
+    """``(batch, None)`` without a ``loss_mask`` column; else the token columns of its unmasked tokens and the mask.
+
+    The token-level estimators run on the view, so masked tokens (tool or
+    observation tokens) neither carry a reward nor count in the discount or
+    the normalisation: the result is that of the batch without them.
+    """
+    keep = LossContext.token_mask(batch)
+    if keep is None:
+        return batch, None
+    return kept_tokens(batch, keep, TOKEN_COLUMNS), keep
 
 
 def token_rewards(opts: RewardKLOptions, rewards: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -62,7 +81,8 @@ class ReinforcePP(PolicyGradientAlgorithm):
     Token rewards ``r_t = R * [t = T-1] - beta * kl_t`` (R minus the group mean
     with ``baseline: group_mean``), returns ``G_t = sum_{s>=t} gamma^(s-t) r_s``,
     advantages ``(G - mean) / (std + eps)`` over all tokens of the batch it is
-    given. The loss is the shared clipped objective.
+    given. The loss is the shared clipped objective. Under a ``loss_mask``
+    the tokens are the unmasked ones (masked tokens get advantage 0).
     """
 
     config: ReinforcePPConfig
@@ -86,6 +106,10 @@ class ReinforcePP(PolicyGradientAlgorithm):
             means = torch.zeros(uniq.numel()).index_add_(0, inverse, rewards) / counts
             rewards = rewards - means[inverse]
         resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
-        returns = discounted_cumsum(token_rewards(cfg, rewards, batch), resp.offsets, cfg.gamma)
+        view, keep = unmasked_view(batch)
+        offsets = view[C.RESPONSE_IDS].offsets  # type: ignore[union-attr]
+        returns = discounted_cumsum(token_rewards(cfg, rewards, view), offsets, cfg.gamma)
         adv = whiten(returns, cfg.eps) if cfg.normalize_advantages else returns
+        if keep is not None:
+            adv = scatter_kept(adv, keep)
         return batch.with_columns(**{C.ADVANTAGES: RaggedTensor(adv, resp.offsets)})

@@ -112,9 +112,7 @@ class ToyTrainEngine(TrainEngine):
         _require(batch, (C.PROMPT_IDS, C.RESPONSE_IDS, C.ADVANTAGES, *algorithm.required_columns))
         assert self._opt is not None
         resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
-        ctx = LossContext(
-            global_tokens=max(resp.numel_packed, 1), global_sequences=max(batch.num_rows, 1), policy_version=self._version
-        )
+        ctx = LossContext.of(batch, self._version)  # counts only unmasked tokens under a loss_mask column
         self._opt.zero_grad(set_to_none=True)
         total = 0.0
         sums: dict[str, float] = {}

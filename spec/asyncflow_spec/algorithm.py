@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import pytest
 import torch
 
 from asyncflow_core import columns as C
@@ -29,10 +32,35 @@ def sample_batch(rows: int = 6, group: int = 3) -> Batch:
     )
 
 
+def with_loss_mask(batch: Batch) -> Batch:
+    """``batch`` with a ``loss_mask`` column masking every second response token of each row (the first kept)."""
+    resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
+    within = torch.arange(resp.numel_packed) - torch.repeat_interleave(resp.offsets[:-1], resp.lengths)
+    return batch.with_columns(**{C.LOSS_MASK: RaggedTensor(within % 2 == 0, resp.offsets)})
+
+
+LOSS_MASK_HELP = (
+    "batches of multi-turn episodes carry a `loss_mask` column (asyncflow_core.columns.LOSS_MASK, ragged bool/uint8 "
+    "aligned with response_ids): a token with mask 0 (prompt, observation, tool output) must contribute nothing. "
+    "Read it with LossContext.token_mask(batch), cut masked log-probs from the graph "
+    "(torch.where(mask, logp, logp.detach())), zero their per-token losses with torch.where, and normalise by "
+    "ctx.global_tokens, which counts unmasked tokens only; or subclass "
+    "asyncflow_plugins.algorithms.PolicyGradientAlgorithm, which does all of this. Until then set "
+    "`predates_loss_mask = True` in this spec class (the check then xfails) and refuse batches that have the column"
+)
+
+
 class AlgorithmSpec(BackendSpec):
-    """Subclass and set ``backend``/``options``; ``sample_batch`` provides the columns built-ins use."""
+    """Subclass and set ``backend``/``options``; ``sample_batch`` provides the columns built-ins use.
+
+    ``predates_loss_mask``: set it to ``True`` while the algorithm does not
+    yet honour the ``loss_mask`` column; the mask check then xfails with what
+    to change (and fails once the algorithm honours the mask, so the flag
+    is removed).
+    """
 
     kind = PluginKind.ALGORITHM
+    predates_loss_mask: ClassVar[bool] = False
 
     def test_declares_columns_and_correction(self, make_backend):
         """``required_columns`` is a tuple of names and ``correction`` an OffPolicyCorrection."""
@@ -81,3 +109,32 @@ class AlgorithmSpec(BackendSpec):
         loss, _ = algo.loss(RaggedTensor(values, batch[C.RESPONSE_IDS].offsets), batch, LossContext(values.numel(), batch.num_rows, 0))
         loss.backward()
         assert values.grad is not None and bool(torch.isfinite(values.grad).all())
+
+    def test_masked_tokens_contribute_nothing(self, make_backend):
+        """With a ``loss_mask`` column, masked tokens' log-probs get exactly zero gradient and cannot move the loss."""
+        algo: Algorithm = make_backend()
+        batch = algo.compute_advantages(with_loss_mask(sample_batch()))
+        offsets = batch[C.RESPONSE_IDS].offsets
+        keep = batch[C.LOSS_MASK].values
+        ctx = LossContext.of(batch, 0)
+        values = (batch[C.BEHAVIOR_LOGPROBS].values + 0.05).clone().requires_grad_(True)
+        loss, _ = algo.loss(RaggedTensor(values, offsets), batch, ctx)
+        loss.backward()
+        problems = []
+        assert values.grad is not None, "the loss does not back-propagate into the log-probs"
+        leaked = int((values.grad[~keep] != 0).sum())
+        if leaked:
+            problems.append(f"{leaked} of {int((~keep).sum())} masked tokens got a non-zero gradient")
+        # the masked tokens' log-probs far from where they were: not one bit of the loss may change
+        moved = torch.where(keep, values.detach(), values.detach() - 3.0)
+        with torch.no_grad():
+            moved_loss, _ = algo.loss(RaggedTensor(moved, offsets), batch, ctx)
+        was, now = float(loss.detach()), float(moved_loss)
+        if now != was:
+            problems.append(f"the loss changes ({was} -> {now}) when only masked tokens' log-probs change")
+        if self.predates_loss_mask:
+            if not problems:
+                pytest.fail(f"{type(algo).__name__} honours loss_mask now: remove `predates_loss_mask = True` from "
+                            f"{type(self).__name__}")
+            pytest.xfail(f"{type(algo).__name__} predates loss_mask ({'; '.join(problems)}): {LOSS_MASK_HELP}")
+        assert not problems, f"{type(algo).__name__} ignores loss_mask ({'; '.join(problems)}): {LOSS_MASK_HELP}"

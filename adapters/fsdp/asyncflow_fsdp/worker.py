@@ -200,7 +200,7 @@ class RankWorker(RankWorkerBase):
                     vloss, vmetrics = value_loss(RaggedTensor(v, offsets), mb, ctx)
                     loss = loss + vloss
                     metrics = {**metrics, "value_loss": float(vloss.detach()), **vmetrics}
-                n = int(lp.numel())
+                n = LossContext.count_tokens(mb)  # the tokens the loss applies to (loss_mask)
                 tokens += n
                 loss_sum += float(loss.detach())
                 for name, value in metrics.items():

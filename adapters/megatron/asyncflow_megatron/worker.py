@@ -253,7 +253,7 @@ class RankWorker(rw.RankWorkerBase):
                 n = 0
             else:
                 loss, metrics = algorithm.loss(RaggedTensor(lp, lay.offsets.to(lp.device)), _on(mb, lp.device), ctx)
-                n = int(lp.numel())
+                n = LossContext.count_tokens(mb)  # the tokens the loss applies to (loss_mask)
                 stats["loss_sum"] += float(loss.detach())
                 stats["tokens"] += n
                 for name, value in metrics.items():
