@@ -66,11 +66,21 @@ class StreamStore(abc.ABC):
         """Deployment and optional capabilities (see :class:`StoreFeatures`)."""
 
     @abc.abstractmethod
-    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
+    async def register_task(
+        self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = (), partition: str | None = None
+    ) -> None:
         """Declare a task: the columns it reads (it becomes a consumer that must
-        acknowledge every row before the row can be garbage-collected) and the
-        columns it writes. ``get_meta`` for a column no task produces raises
-        ``UnknownColumnError``."""
+        acknowledge every row of its scope before the row can be garbage-collected)
+        and the columns it writes. ``get_meta`` for a column no task produces raises
+        ``UnknownColumnError``.
+
+        ``partition`` scopes the task to one partition (default: every
+        partition): its ``get_meta(partition=None)`` sees only that partition's
+        rows (naming another raises ``InvalidRequestError``), its end of stream
+        is that partition's, and a row is collected once every consumer task
+        of its partition (scoped to it or unscoped) acknowledged it.
+        Re-registering keeps the scope; naming a different one raises
+        ``InvalidRequestError``."""
 
     @abc.abstractmethod
     async def put(

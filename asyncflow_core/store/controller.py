@@ -9,11 +9,14 @@ Every argument and result is picklable (tensors, numbers, strings, tuples,
 
 Public methods (stable):
 
-- ``register_task(task, consumes=(), produces=())``
+- ``register_task(task, consumes=(), produces=(), partition=None)``  (``partition``: the task's scope, see below)
+- ``task_partition(task) -> str | None``  (the partition a task is scoped to; None = every partition)
 - ``add_rows(n, partition="default", group_ids=None) -> Tensor``  (new row ids; ``StoreFullError``)
 - ``check_rows(row_ids) -> None``  (``UnknownRowError`` unless all live)
+- ``live_mask(row_ids) -> Tensor``  (bool per id: is it a live row)
+- ``drop_rows(row_ids) -> Tensor``  (drop the live ones now, with leases left holding no row; dropped ids)
 - ``mark_ready(row_ids, columns, versions=None, num_tokens=None)``
-- ``validate_request(task, columns, batch_size, dp_rank=0, dp_size=1, lease_s=None)``
+- ``validate_request(task, columns, batch_size, dp_rank=0, dp_size=1, lease_s=None, partition=None)``
 - ``try_lease(task, columns, batch_size, sampler, min_version, partition, partial, lease_s,
   consumer, dp_rank, dp_size, now) -> BatchMeta | None``
 - ``is_end_of_stream(task, columns, min_version=None, partition=None) -> bool``
@@ -29,6 +32,14 @@ Public methods (stable):
 - ``lease_info(lease_id) -> dict | None``; module function ``normalize_versions(versions, n)``
 - ``stats() -> dict[str, int]``
 - properties ``capacity``, ``num_live``, ``tasks``
+
+Partition scope: a task registered with ``partition=P`` consumes only rows of
+partition ``P``: a lease with ``partition=None`` sees only ``P``'s rows (asking
+for another partition is an ``InvalidRequestError``), its end of stream is
+``P``'s, and ``gc`` collects a row once every consumer task whose scope covers
+the row's partition (scoped to it, or unscoped) acknowledged it. Unscoped tasks
+(the default) see and hold every partition, as before. Rows of a partition no
+consumer covers are never collected.
 
 Layout: per row, flat tensors in arrival order (row ids increase with the
 slot, so a row id is found by binary search and candidates come out oldest
@@ -70,6 +81,7 @@ class _Task:
     index: int
     consumes: tuple[str, ...]
     produces: tuple[str, ...]
+    partition: str | None = None  #: the only partition the task reads and holds; None = all
 
     @property
     def is_consumer(self) -> bool:
@@ -250,21 +262,39 @@ class Controller:
 
     # ------------------------------------------------------------------ tasks
 
-    def register_task(self, task: str, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
+    def register_task(
+        self, task: str, consumes: Sequence[str] = (), produces: Sequence[str] = (), partition: str | None = None
+    ) -> None:
         """Declare ``task``; registering again adds to its columns. A task that consumes columns must
-        acknowledge every row before the row is collected."""
+        acknowledge every row of its scope before the row is collected.
+
+        ``partition`` scopes the task to one partition (None: every partition).
+        The scope is fixed by the first registration that names one; registering
+        again with ``partition=None`` keeps it, with another partition raises
+        ``InvalidRequestError``.
+        """
         if not isinstance(task, str) or not task:
             raise InvalidRequestError(f"task must be a non-empty string, got {task!r}")
+        if partition is not None and (not isinstance(partition, str) or not partition):
+            raise InvalidRequestError(f"partition must be a non-empty string or None, got {partition!r}")
         consumes, produces = tuple(consumes), tuple(produces)
         for c in (*consumes, *produces):
             if not isinstance(c, str) or not c:
                 raise InvalidRequestError(f"column names must be non-empty strings, got {c!r} for task {task!r}")
         existing = self._tasks.get(task)
         if existing is not None:
+            if partition is not None and existing.partition != partition:
+                scope = "every partition" if existing.partition is None else f"partition {existing.partition!r}"
+                raise InvalidRequestError(
+                    f"task {task!r} is registered for {scope}; it cannot be re-registered for partition "
+                    f"{partition!r}. Register a task per partition under its own name"
+                )
             existing.consumes = tuple(dict.fromkeys((*existing.consumes, *consumes)))
             existing.produces = tuple(dict.fromkeys((*existing.produces, *produces)))
         else:
-            self._tasks[task] = _Task(len(self._state), consumes, produces)
+            self._tasks[task] = _Task(len(self._state), consumes, produces, partition)
+            if partition is not None:
+                self._partition_id(partition)
             self._state.append(torch.zeros(self._alloc(), dtype=torch.int8))
             self._lease_of.append(torch.zeros(self._alloc(), dtype=torch.int64))
         for c in (*consumes, *produces):
@@ -278,6 +308,21 @@ class Controller:
                 f"unknown task {task!r} (registered: {known}); call register_task({task!r}, consumes=...) first"
             )
         return t
+
+    def task_partition(self, task: str) -> str | None:
+        """The partition ``task`` is scoped to (None: every partition); ``InvalidRequestError`` if unknown."""
+        return self._task(task).partition
+
+    def _scope(self, t: _Task, partition: str | None) -> str | None:
+        """The partition a request of ``t`` reads: its own scope, or ``partition`` for an unscoped task."""
+        if t.partition is None:
+            return partition
+        if partition is not None and partition != t.partition:
+            raise InvalidRequestError(
+                f"task of partition {t.partition!r} cannot lease rows of partition {partition!r}; pass "
+                f"partition=None (or {t.partition!r}), or register a task for {partition!r}"
+            )
+        return t.partition
 
     def _produced(self) -> set[str]:
         out: set[str] = set()
@@ -370,6 +415,12 @@ class Controller:
         if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
             raise InvalidRequestError("row ids repeat; write each row once per call")
 
+    def live_mask(self, row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Bool per id of ``row_ids``: does it name a live row (put, not collected or cleared)?"""
+        ids = _as_ids(row_ids)
+        slots = self._slots(ids, missing="drop")
+        return torch.isin(ids, self._row_id[slots])
+
     def mark_ready(
         self,
         row_ids: torch.Tensor | Sequence[int],
@@ -421,9 +472,10 @@ class Controller:
         dp_rank: int = 0,
         dp_size: int = 1,
         lease_s: float | None = None,
+        partition: str | None = None,
     ) -> None:
         """Raise the typed error a ``try_lease`` with these arguments would raise; mutates nothing."""
-        self._task(task)
+        self._scope(self._task(task), partition)
         if isinstance(columns, str):
             raise InvalidRequestError(f"columns must be a sequence of names, got the string {columns!r}")
         produced = self._produced()
@@ -548,6 +600,7 @@ class Controller:
     ) -> bool:
         """The stream ended and no row can ever become ready and free for this request."""
         t = self._task(task)
+        partition = self._scope(t, partition)
         return self.stream_ended(partition) and self._blocking_count(t, columns, min_version, partition) == 0
 
     def try_lease(
@@ -581,8 +634,9 @@ class Controller:
         """
         columns = tuple(columns)
         lease_s = self._default_lease_s if lease_s is None else float(lease_s)
-        self.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s)
+        self.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s, partition)
         t = self._tasks[task]
+        partition = self._scope(t, partition)
         sampler_name, smp = self._sampler(sampler)
         if dp_size > 1:
             key = (task, columns, sampler_name, min_version, partition, batch_size, dp_size)
@@ -840,10 +894,13 @@ class Controller:
         return ids
 
     def gc(self, row_ids: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-        """Drop rows done for every consumer task (only among ``row_ids`` if given); returns the dropped ids.
+        """Drop rows done for every consumer task of their partition (only among ``row_ids`` if given);
+        returns the dropped ids.
 
-        With no consumer task registered nothing is collected. Rows dropped
-        here are gone for tasks registered later.
+        A row's consumers are the consumer tasks scoped to its partition and
+        the unscoped ones; a row no consumer covers is never collected (so
+        with no consumer task registered nothing is). Rows dropped here are
+        gone for tasks registered later.
         """
         consumers = [t for t in self._tasks.values() if t.is_consumer]
         if not consumers:
@@ -853,9 +910,30 @@ class Controller:
         else:
             slots = self._slots(row_ids, missing="drop")
         done = torch.ones(slots.numel(), dtype=torch.bool)
+        covered = torch.zeros(slots.numel(), dtype=torch.bool)
+        part = self._partition[slots] if any(t.partition is not None for t in consumers) else None
         for t in consumers:
-            done &= self._state[t.index][slots] == DONE
-        return self._drop(slots[done])
+            if t.partition is None:
+                applies = None  # every row
+            elif t.partition in self._partitions and part is not None:
+                applies = part == self._partitions[t.partition]
+            else:
+                continue
+            is_done = self._state[t.index][slots] == DONE
+            if applies is None:
+                done &= is_done
+                covered[:] = True
+            else:
+                done &= is_done | ~applies
+                covered |= applies
+        return self._drop(slots[done & covered])
+
+    def drop_rows(self, row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Drop the live rows among ``row_ids`` now, whatever their task states (e.g. rows a failed put
+        allocated); leases left holding no row are forgotten. Returns the dropped ids."""
+        dropped = self._drop(self._slots(row_ids, missing="drop"))
+        self._forget_empty_leases()
+        return dropped
 
     def clear(self, partition: str | None = None) -> torch.Tensor:
         """Drop every row (of ``partition``) and their leases; returns the dropped row ids."""
@@ -867,11 +945,14 @@ class Controller:
             mask &= self._partition[:n] == self._partitions[partition]
         dropped = self._drop(mask.nonzero().squeeze(1))
         self._dp_rounds.clear()
+        self._forget_empty_leases()
+        return dropped
+
+    def _forget_empty_leases(self) -> None:
         for lid in list(self._leases):
             if self._slots(self._leases[lid].row_ids, missing="drop").numel() == 0:
                 self._leases.pop(lid)
                 self._finished[lid] = "cleared (its rows were dropped)"
-        return dropped
 
     def _compact(self) -> None:
         n = self._n
@@ -910,7 +991,7 @@ class Controller:
             "ready": self._ready[keep].clone(),
             "columns": list(self._columns),
             "partitions": list(self._partitions),
-            "tasks": [(name, list(t.consumes), list(t.produces)) for name, t in self._tasks.items()],
+            "tasks": [(name, list(t.consumes), list(t.produces), t.partition) for name, t in self._tasks.items()],
             "task_state": states,
             "ended": sorted(self._ended),
             "ended_all": self._ended_all,
@@ -928,12 +1009,12 @@ class Controller:
         if k > self._capacity:
             raise InvalidRequestError(f"checkpoint holds {k} live rows, more than this store's capacity {self._capacity}")
         self._reset()
-        for name, consumes, produces in state["tasks"]:
-            self.register_task(name, consumes, produces)
-        for c in state["columns"]:
-            self._column_bit(c)
-        for p in state["partitions"]:
+        for p in state["partitions"]:  # first: partition ids must come back as saved
             self._partition_id(p)
+        for c in state["columns"]:  # before the tasks: column bits must come back as saved
+            self._column_bit(c)
+        for name, consumes, produces, *scope in state["tasks"]:  # checkpoints before partition scopes have 3
+            self.register_task(name, consumes, produces, scope[0] if scope else None)
         self._ensure_slots(k)
         self._row_id[:k] = row_ids
         self._alive[:k] = True

@@ -253,8 +253,9 @@ class InProcessStore(StreamStore):
 
     # ------------------------------------------------------------------ the contract
 
-    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
-        self._call(lambda: self.controller.register_task(task, consumes, produces))
+    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = (),
+                            partition: str | None = None) -> None:
+        self._call(lambda: self.controller.register_task(task, consumes, produces, partition))
 
     async def put(
         self,
@@ -326,7 +327,7 @@ class InProcessStore(StreamStore):
         columns = tuple(columns)
         with self._lock:
             self._check_open()
-            self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s)
+            self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s, partition)
 
         def attempt() -> BatchMeta | None:
             return self.controller.try_lease(

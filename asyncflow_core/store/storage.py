@@ -62,6 +62,16 @@ class _Ragged:
         self.present = torch.zeros(alloc, dtype=torch.bool)
 
 
+def check_column_schema(name: str, want: ColumnSchema | None, got: ColumnSchema) -> None:
+    """The one column-schema check every storage shares: ``ColumnTypeError`` unless a write of ``got`` matches
+    the schema ``want`` that the column's first write fixed (``None``: not written yet, anything goes)."""
+    if want is not None and want != got:
+        raise ColumnTypeError(
+            f"column {name!r} was first written as {want.describe()}, this write is {got.describe()}; "
+            f"convert it (e.g. .to({want.dtype})) or use another column name"
+        )
+
+
 def _schema_of(column: Column) -> ColumnSchema:
     if isinstance(column, RaggedTensor):
         return ColumnSchema(True, column.values.dtype, tuple(column.values.shape[1:]))
@@ -138,11 +148,8 @@ class StorageUnit:
                     "give every column one value (or sequence) per row"
                 )
             want = self._schema.get(name)
-            if want is not None and want != got and not self._reshapes(name, want, got, col):
-                raise ColumnTypeError(
-                    f"column {name!r} was first written as {want.describe()}, this write is {got.describe()}; "
-                    f"convert it (e.g. .to({want.dtype})) or use another column name"
-                )
+            if want is not None and not self._reshapes(name, want, got, col):
+                check_column_schema(name, want, got)
             if got.ragged and col.values.dim() == 0:  # type: ignore[union-attr]
                 raise ColumnTypeError(f"ragged column {name!r} needs values with a token axis")
 

@@ -51,9 +51,11 @@ class SyncStore:
     def features(self):
         return self.store.features
 
-    def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
+    def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = (),
+                      partition: str | None = None) -> None:
         """See :meth:`StreamStore.register_task`."""
-        return self._run(self.store.register_task(task, consumes=consumes, produces=produces))
+        kw = {} if partition is None else {"partition": partition}  # stores predating task scopes take no such kw
+        return self._run(self.store.register_task(task, consumes=consumes, produces=produces, **kw))
 
     def put(self, columns: Mapping[str, Column], **kwargs: Any) -> BatchMeta:
         """See :meth:`StreamStore.put` (same keyword arguments)."""

@@ -332,6 +332,38 @@ class StoreSpec(BackendSpec):
 
         run(go())
 
+    def test_partition_scoped_tasks(self, make_store):
+        """A task registered with ``partition=P`` leases only P's rows (with ``partition=None`` too), ends with P's
+        stream, and P's rows are collected once P's own consumers acknowledged them, independently of other
+        partitions. Fix the task scope in leasing, end of stream or gc."""
+
+        async def go():
+            store = make_store()
+            await store.register_task("rollout", produces=["prompt_ids", "response_ids"])
+            await store.register_task("train", consumes=["response_ids"], partition="train")
+            await store.register_task("eval", consumes=["response_ids"], partition="eval")
+            cols = {"prompt_ids": _ragged([[1]] * 3), "response_ids": _ragged([[2]] * 3)}
+            train_rows = await store.put(cols, partition="train")
+            eval_rows = await store.put({k: v.select(torch.arange(2)) for k, v in cols.items()}, partition="eval")
+            with pytest.raises(InvalidRequestError):
+                await store.get_meta("train", ["response_ids"], 1, partition="eval", timeout=5)
+            ev = await store.get_meta("eval", ["response_ids"], 8, partial=True, timeout=5)
+            assert sorted(ev.row_ids.tolist()) == sorted(eval_rows.row_ids.tolist())
+            await store.end_stream("train")
+            tr = await store.get_meta("train", ["response_ids"], 8, timeout=5)  # the rest of train's stream
+            assert sorted(tr.row_ids.tolist()) == sorted(train_rows.row_ids.tolist())
+            await store.ack(ev)  # eval's rows go with eval's ack, while train still holds its lease
+            assert (await store.stats())["rows_live"] == 3
+            await store.ack(tr)
+            assert (await store.stats())["rows_live"] == 0
+            assert (await store.get_meta("train", ["response_ids"], 1, timeout=5)).end_of_stream
+            await store.put({k: v.select(torch.arange(1)) for k, v in cols.items()}, partition="eval")
+            more = await store.get_meta("eval", ["response_ids"], 1, timeout=5)  # eval's stream goes on
+            assert len(more) == 1 and not more.end_of_stream
+            await store.close()
+
+        run(go())
+
     def test_stats_keys(self, make_store):
         """``stats`` reports at least rows_live, rows_leased, rows_done, rows_dropped and bytes_stored as ints."""
 

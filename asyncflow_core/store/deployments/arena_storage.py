@@ -22,7 +22,7 @@ import torch
 from asyncflow_core.store.deployments.arena import ArenaAllocator, ArenaFullError, ArenaMapping
 from asyncflow_core.store.deployments.codec import dtype_from_name, dtype_name
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, UnknownColumnError
-from asyncflow_core.store.storage import ColumnSchema, StorageUnit
+from asyncflow_core.store.storage import ColumnSchema, StorageUnit, check_column_schema
 from asyncflow_core.types import Batch, RaggedTensor
 
 
@@ -140,12 +140,7 @@ class ArenaStorage:
                     f"column {name!r} holds {lay.rows} rows but {n} rows are being written; "
                     "give every column one value (or sequence) per row"
                 )
-            want = self.schema.get(name)
-            if want is not None and want != lay.schema:
-                raise ColumnTypeError(
-                    f"column {name!r} was first written as {want.describe()}, this write is {lay.schema.describe()}; "
-                    f"convert it (e.g. .to({want.dtype})) or use another column name"
-                )
+            check_column_schema(name, self.schema.get(name), lay.schema)
             ext = self.extents.get(extents.get(name, -1))
             if ext is None or ext.owner != owner or lay.offset != extents[name] or lay.nbytes > ext.nbytes:
                 raise InvalidRequestError(f"column {name!r} does not lie in a range granted to this client")

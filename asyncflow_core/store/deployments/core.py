@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,9 +30,16 @@ from asyncflow_core.store.errors import (
     StoreTimeoutError,
 )
 
+T = TypeVar("T")
+
 
 class StoreCore:
-    """Controller + waits, single event loop. Methods mirror the StreamStore control calls."""
+    """Controller + waits, single event loop. Methods mirror the StreamStore control calls.
+
+    Public beyond the control calls: :meth:`notify`, :meth:`check_open` and
+    :meth:`wait_until` (the one retry-until-notified loop that the core's own
+    blocking calls and every deployment's data plane, e.g. arena grants, use).
+    """
 
     def __init__(self, controller: Controller, on_drop: Callable[[torch.Tensor], None] | None = None) -> None:
         self.controller = controller
@@ -47,7 +54,8 @@ class StoreCore:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """``StoreClosedError`` once the store is closed."""
         if self.closed:
             raise StoreClosedError("the store is closed; create a new one (or reconnect to a running server)")
 
@@ -55,6 +63,22 @@ class StoreCore:
         expired, _ = self.controller.expire(now)
         if expired:
             self.notify()
+
+    async def wait_until(self, attempt: Callable[[], T | None], timeout: float | None,
+                         timed_out: Callable[[], str]) -> T:
+        """Retry ``attempt`` until it returns non-None, waiting between tries for a change (:meth:`notify`),
+        the next lease deadline or ``timeout`` (then ``StoreTimeoutError(timed_out())``); a closed store
+        raises ``StoreClosedError``. ``attempt`` runs with no await inside, so it sees one consistent state."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self.check_open()
+            event = self._changed
+            result = attempt()
+            if result is not None:
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                raise StoreTimeoutError(timed_out())
+            await self._wait(event, deadline)
 
     async def _wait(self, event: asyncio.Event, deadline: float | None) -> None:
         """Wait for a change, the next lease deadline (to expire it), or ``deadline``; whichever first."""
@@ -70,30 +94,29 @@ class StoreCore:
 
     # -- control calls ---------------------------------------------------------
 
-    def register_task(self, task: str, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
-        self._check_open()
-        self.controller.register_task(task, consumes, produces)
+    def register_task(
+        self, task: str, consumes: Sequence[str] = (), produces: Sequence[str] = (), partition: str | None = None
+    ) -> None:
+        self.check_open()
+        self.controller.register_task(task, consumes, produces, partition)
         self.notify()
 
     async def add_rows(
         self, n: int, partition: str, group_ids: Any, block: bool, timeout: float | None
     ) -> torch.Tensor:
         """New row ids; waits for capacity when ``block`` (``StoreTimeoutError`` after ``timeout``)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._check_open()
-            event = self._changed
+
+        def attempt() -> torch.Tensor | None:
             try:
                 return self.controller.add_rows(n, partition, group_ids)
             except StoreFullError:
                 if not block:
                     raise
-            if deadline is not None and time.monotonic() >= deadline:
-                raise StoreTimeoutError(
-                    f"put of {n} rows waited {timeout}s for space (capacity {self.controller.capacity}); "
-                    "acknowledge rows faster, raise the capacity, or pass a longer timeout"
-                )
-            await self._wait(event, deadline)
+                return None
+
+        return await self.wait_until(attempt, timeout, lambda: (
+            f"put of {n} rows waited {timeout}s for space (capacity {self.controller.capacity}); "
+            "acknowledge rows faster, raise the capacity, or pass a longer timeout"))
 
     def mark_ready(self, row_ids: torch.Tensor, columns: Sequence[str], versions: Any, num_tokens: Any) -> None:
         self.controller.mark_ready(row_ids, columns, versions, num_tokens)
@@ -115,29 +138,24 @@ class StoreCore:
         dp_rank: int = 0,
         dp_size: int = 1,
     ) -> BatchMeta:
-        self._check_open()
+        self.check_open()
         columns = tuple(columns)
-        self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._check_open()
-            event = self._changed
+        self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s, partition)
+
+        def attempt() -> BatchMeta | None:
             now = time.monotonic()
             self._expire(now)
             meta = self.controller.try_lease(
                 task, columns, batch_size, sampler, min_version, partition, partial, lease_s, consumer,
                 dp_rank, dp_size, now,
             )
-            if meta is not None:
-                if len(meta):
-                    self.notify()  # other DP ranks may claim their parts now
-                return meta
-            if deadline is not None and time.monotonic() >= deadline:
-                raise StoreTimeoutError(
-                    f"get_meta(task={task!r}, columns={list(columns)}, batch_size={batch_size}) found no batch "
-                    f"within {timeout}s; check that a producer writes these columns, or pass a longer timeout"
-                )
-            await self._wait(event, deadline)
+            if meta is not None and len(meta):
+                self.notify()  # other DP ranks may claim their parts now
+            return meta
+
+        return await self.wait_until(attempt, timeout, lambda: (
+            f"get_meta(task={task!r}, columns={list(columns)}, batch_size={batch_size}) found no batch "
+            f"within {timeout}s; check that a producer writes these columns, or pass a longer timeout"))
 
     def _lease_id(self, meta: BatchMeta, verb: str) -> int:
         if not isinstance(meta, BatchMeta) or meta.lease_id is None:
@@ -145,7 +163,7 @@ class StoreCore:
         return int(meta.lease_id)
 
     def ack(self, meta: BatchMeta) -> int:
-        self._check_open()
+        self.check_open()
         lid = self._lease_id(meta, "acknowledge")
         try:
             done = self.controller.ack(lid, time.monotonic())
@@ -157,24 +175,24 @@ class StoreCore:
         return done
 
     def release(self, meta: BatchMeta) -> int:
-        self._check_open()
+        self.check_open()
         freed = self.controller.release(self._lease_id(meta, "release"), time.monotonic())
         self.notify()
         return freed
 
     def declare_dead(self, consumer: str) -> int:
-        self._check_open()
+        self.check_open()
         freed = self.controller.declare_dead(consumer)
         self.notify()
         return freed
 
     def end_stream(self, partition: str | None = None) -> None:
-        self._check_open()
+        self.check_open()
         self.controller.end_stream(partition)
         self.notify()
 
     def clear(self, partition: str | None = None) -> int:
-        self._check_open()
+        self.check_open()
         dropped = self.controller.clear(partition)
         if dropped.numel():
             self.on_drop(dropped)

@@ -89,7 +89,8 @@ from asyncflow_core.store.deployments.nccl_support import DeviceSpec, resolve_cu
 from asyncflow_core.store.deployments.p2p import Lane, P2PLink, link_for, memory_in_use
 from asyncflow_core.store.deployments.remote import RemoteStoreClient, install_control_ops
 from asyncflow_core.store.deployments.server import ServerThread, StoreServer
-from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, StoreClosedError, StoreTimeoutError
+from asyncflow_core.store.storage import check_column_schema
+from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, StoreClosedError
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 SMALL_COLUMN_BYTES = 256 << 10  #: columns below this share one packed message
@@ -355,12 +356,7 @@ def _check_schema(storage: ArenaStorage, layouts: dict[str, ColumnLayout]) -> No
     for name, lay in layouts.items():
         if not isinstance(name, str) or not name:
             raise ColumnTypeError(f"column names must be non-empty strings, got {name!r}")
-        want = storage.schema.get(name)
-        if want is not None and want != lay.schema:
-            raise ColumnTypeError(
-                f"column {name!r} was first written as {want.describe()}, this write is {lay.schema.describe()}; "
-                f"convert it (e.g. .to({want.dtype})) or use another column name"
-            )
+        check_column_schema(name, storage.schema.get(name), lay.schema)
 
 
 def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
@@ -379,11 +375,7 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
         return {"server_rank": host.rank, "backend": host.backend, "name": inst.name}
 
     async def grant(sizes: list[int], owner: int, block: bool, timeout: float | None) -> list[int]:
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + float(timeout)
-        while True:
-            core._check_open()
-            event = core._changed
+        def attempt() -> list[int] | None:
             try:
                 return storage.grant(sizes, owner)
             except ArenaFullError:
@@ -391,9 +383,11 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
                     raise InvalidRequestError(
                         f"the store's arena has no room for {sum(sizes)} bytes now; acknowledge rows or raise arena_mb"
                     ) from None
-            if deadline is not None and loop.time() >= deadline:
-                raise StoreTimeoutError(f"waited {timeout}s for {sum(sizes)} bytes of arena; raise arena_mb")
-            await core._wait(event, deadline)
+                return None
+
+        timeout = None if timeout is None else float(timeout)
+        return await core.wait_until(
+            attempt, timeout, lambda: f"waited {timeout}s for {sum(sizes)} bytes of arena; raise arena_mb")
 
     def finish_xfer(xid: int, *, abandon: bool, reuse: bool = True) -> None:
         x = inst.xfers.pop(xid, None)
@@ -474,7 +468,7 @@ def _install_data_ops(host: DistributedHost, inst: _Instance) -> None:
             _check_schema(storage, layouts)  # another put may have fixed a schema meanwhile
             versions = check_versions(a.get("versions"), n)
             rows: BatchMeta | None = a.get("rows")
-            core._check_open()
+            core.check_open()
             if rows is None:
                 ids = await core.add_rows(n, a.get("partition", "default"), a.get("group_ids"),
                                           a.get("block", True), a.get("timeout"))

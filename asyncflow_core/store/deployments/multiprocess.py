@@ -51,7 +51,7 @@ from asyncflow_core.store.deployments.core import StoreCore, check_versions, num
 from asyncflow_core.store.deployments.features import MULTIPROCESS_FEATURES
 from asyncflow_core.store.deployments.remote import RemoteStoreClient, install_control_ops
 from asyncflow_core.store.deployments.server import ServerThread, StoreServer
-from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, StoreTimeoutError
+from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError
 from asyncflow_core.types import Batch, Column
 
 SOCKET_NAME = "store.sock"
@@ -74,12 +74,9 @@ def build_server(path: str, token: str, arena_path: str, arena_bytes: int, contr
 
     async def alloc(conn: Connection, a: dict[str, Any]) -> list[int]:
         sizes = [int(s) for s in a["sizes"]]
-        timeout = a.get("timeout")
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + float(timeout)
-        while True:
-            core._check_open()
-            event = core._changed
+        timeout = None if a.get("timeout") is None else float(a["timeout"])
+
+        def attempt() -> list[int] | None:
             try:
                 return storage.grant(sizes, conn.id)
             except ArenaFullError:
@@ -87,9 +84,10 @@ def build_server(path: str, token: str, arena_path: str, arena_bytes: int, contr
                     raise InvalidRequestError(
                         f"the shared arena has no room for {sum(sizes)} bytes now; acknowledge rows or raise arena_mb"
                     ) from None
-            if deadline is not None and loop.time() >= deadline:
-                raise StoreTimeoutError(f"waited {timeout}s for {sum(sizes)} bytes of shared memory; raise arena_mb")
-            await core._wait(event, deadline)
+                return None
+
+        return await core.wait_until(
+            attempt, timeout, lambda: f"waited {timeout}s for {sum(sizes)} bytes of shared memory; raise arena_mb")
 
     async def put(conn: Connection, a: dict[str, Any]) -> BatchMeta:
         extents = {k: int(v) for k, v in a["extents"].items()}
@@ -101,7 +99,7 @@ def build_server(path: str, token: str, arena_path: str, arena_bytes: int, contr
             storage.validate(n, layouts, extents, conn.id)
             versions = check_versions(a.get("versions"), n)
             rows: BatchMeta | None = a.get("rows")
-            core._check_open()
+            core.check_open()
             if rows is None:
                 ids = await core.add_rows(n, a.get("partition", "default"), a.get("group_ids"), a.get("block", True),
                                           a.get("timeout"))

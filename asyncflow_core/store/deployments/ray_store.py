@@ -62,6 +62,7 @@ from asyncflow_core.store.errors import (
     StoreClosedError,
     StoreError,
 )
+from asyncflow_core.store.storage import ColumnSchema, check_column_schema
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 try:
@@ -303,26 +304,18 @@ class _ControllerActor:
 
     def _live(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Bool per id: is it a live row? (the controller's own lookup)"""
-        ctl = self.core.controller
-        slots = ctl._slots(row_ids, missing="drop")  # noqa: SLF001 - same package; no public bulk lookup
-        return torch.isin(row_ids, ctl._row_id[slots])  # noqa: SLF001
+        return self.core.controller.live_mask(row_ids)
 
     def _drop_rows(self, row_ids: torch.Tensor) -> None:
         """Drop rows a put allocated but did not complete (they have no ready bit, so nobody leased them)."""
-        ctl = self.core.controller
-        slots = ctl._slots(row_ids, missing="drop")  # noqa: SLF001
-        if slots.numel():
-            ctl._drop(slots)  # noqa: SLF001 - Controller has no public "drop these rows"
+        if self.core.controller.drop_rows(row_ids).numel():
             self.core.notify()
 
     def _check_schema(self, schema: dict[str, tuple[bool, str, tuple[int, ...]]]) -> None:
         for name, got in schema.items():
             want = self.schema.get(name)
-            if want is not None and tuple(want) != tuple(got):
-                raise ColumnTypeError(
-                    f"column {name!r} was first written as {_describe(want)}, this write is {_describe(got)}; "
-                    f"convert it (e.g. .to(torch.{want[1]})) or use another column name"
-                )
+            if want is not None:
+                check_column_schema(name, _schema(want), _schema(got))
 
     # -- put ---------------------------------------------------------------------
 
@@ -331,7 +324,7 @@ class _ControllerActor:
         block: bool, timeout: float | None,
     ) -> torch.Tensor:
         """Schema check, then new row ids (waiting for capacity) or a check that ``row_ids`` are live."""
-        self.core._check_open()  # noqa: SLF001
+        self.core.check_open()
         self._check_schema(schema)
         if row_ids is None:
             ids = await self.core.add_rows(n, partition, group_ids, block, timeout)
@@ -369,8 +362,9 @@ class _ControllerActor:
 
     # -- control calls (StoreCore) -----------------------------------------------
 
-    async def register_task(self, task: str, consumes: list[str], produces: list[str]) -> None:
-        self.core.register_task(task, consumes, produces)
+    async def register_task(self, task: str, consumes: list[str], produces: list[str],
+                            partition: str | None = None) -> None:
+        self.core.register_task(task, consumes, produces, partition)
 
     async def get_meta(self, task: str, columns: list[str], batch_size: int, kw: dict[str, Any]) -> BatchMeta:
         return await self.core.get_meta(task, columns, batch_size, **kw)
@@ -391,7 +385,7 @@ class _ControllerActor:
         return self.core.clear(partition)
 
     async def stats(self) -> dict[str, int]:
-        self.core._check_open()  # noqa: SLF001
+        self.core.check_open()
         out = self.core.controller.stats()
         sizes = await asyncio.gather(*(u.nbytes.remote() for u in self.units))  # after every free sent before
         out["bytes_stored"] = int(sum(sizes))
@@ -403,7 +397,7 @@ class _ControllerActor:
     # -- checkpoint ----------------------------------------------------------------
 
     async def state_dict(self) -> dict[str, Any]:
-        self.core._check_open()  # noqa: SLF001
+        self.core.check_open()
         ctl = _without_unwritten_rows(self.core.controller.state_dict())
         self._frozen += 1  # rows collected while the units are read keep their data until the read is done
         try:
@@ -416,7 +410,7 @@ class _ControllerActor:
         return {"format": 1, "controller": ctl, "storage": _merge_units(states, ctl["row_ids"], self.schema)}
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.core._check_open()  # noqa: SLF001
+        self.core.check_open()
         if not isinstance(state, dict) or state.get("format") != 1 or not {"controller", "storage"} <= set(state):
             raise InvalidRequestError("not a store state_dict; pass what state_dict() returned")
         storage = state["storage"]
@@ -436,8 +430,12 @@ class _ControllerActor:
         self.core.notify()
 
 
-def _describe(s: tuple[bool, str, tuple[int, ...]]) -> str:
-    return f"{'ragged' if s[0] else 'dense'} {s[1]} with trailing shape {tuple(s[2])}"
+def _schema(s: tuple[bool, str, tuple[int, ...]]) -> ColumnSchema:
+    """A wire schema (ragged, dtype name, trailing shape) as a :class:`ColumnSchema`."""
+    dtype = getattr(torch, str(s[1]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ColumnTypeError(f"unknown column dtype {s[1]!r}")
+    return ColumnSchema(bool(s[0]), dtype, tuple(int(x) for x in s[2]))
 
 
 def _without_unwritten_rows(ctl: dict[str, Any]) -> dict[str, Any]:
@@ -721,8 +719,9 @@ class RayStore(StreamStore):
 
     # -- control calls -------------------------------------------------------------------
 
-    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
-        await self._ctl("register_task", task, list(consumes), list(produces))
+    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = (),
+                            partition: str | None = None) -> None:
+        await self._ctl("register_task", task, list(consumes), list(produces), partition)
 
     async def get_meta(
         self,

@@ -25,7 +25,7 @@ def install_control_ops(server: StoreServer, stats_extra: Any = None) -> None:
     core = server.core
 
     async def register_task(conn: Connection, a: dict[str, Any]) -> None:
-        core.register_task(a["task"], a.get("consumes") or (), a.get("produces") or ())
+        core.register_task(a["task"], a.get("consumes") or (), a.get("produces") or (), a.get("partition"))
 
     async def get_meta(conn: Connection, a: dict[str, Any]) -> BatchMeta:
         kw = dict(a["kw"])
@@ -101,8 +101,10 @@ class RemoteStoreClient(StreamStore):
         except ChannelError as exc:
             raise StoreClosedError(f"lost the store server at {self.address}: {exc}") from exc
 
-    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = ()) -> None:
-        await self._call("register_task", task=task, consumes=list(consumes), produces=list(produces))
+    async def register_task(self, task: str, *, consumes: Sequence[str] = (), produces: Sequence[str] = (),
+                            partition: str | None = None) -> None:
+        await self._call("register_task", task=task, consumes=list(consumes), produces=list(produces),
+                         partition=partition)
 
     async def get_meta(
         self,
