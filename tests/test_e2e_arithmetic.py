@@ -3,8 +3,8 @@
 The run is interrupted half-way and resumed from its checkpoint, so the same
 test covers resume with real engines: no prompt is trained twice, and the
 reward keeps rising across the restart. Its completions end at the task's
-terminator, and the answers with a "2" (whose token the model config's
-default EOS once was) are written.
+terminator, and the digit "2" (whose token the model config's default EOS
+once was) no longer ends one.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def test_arithmetic_grpo_learns_and_resumes(tmp_path):
             assert len(text) <= 3 and "." not in text, (prompt, text)
         else:
             assert reason is FinishReason.LENGTH and len(text) == 3 and "." not in text, (prompt, text, reason)
-    written = {(prompt, text) for prompt, text, _ in Recording.seen}
-    # answers ending in the digit 2 are written for the prompts that need them ("1+1=" is 1 in 100 prompts)
-    assert any(text == "2." and prompt in ("0+2=", "1+1=", "2+0=") for prompt, text in written)
-    assert any(text == "12." and sum(map(int, prompt[:-1].split("+"))) == 12 for prompt, text in written)
+    # the digit 2 does not end a completion: when it was the EOS, no "2" was ever followed by another token, so
+    # "2." and "12." could not be written. Whether the policy wrote those exact answers depends on sampling; that a
+    # "2" is followed by something in ~20k sampled completions does not (about one token in seven is a "2")
+    followed = [text for _, text, _ in Recording.seen if "2" in text[:-1]]
+    assert followed, "no completion continued after the digit 2: it still ends completions"
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
