@@ -63,7 +63,7 @@ class CanaryResult:
 class Canary:
     """Every ``every`` versions, probes a rollout replica and compares its log-probs with the trainer's.
 
-    ``replicas`` are the rollout stage's :class:`~asyncflow_core.flow.stages.Replica`
+    ``replicas`` are the rollout stage's :class:`~asyncflow_core.flow.engine_pool.Replica`
     records (``index``, ``engine``, ``dead``); ``trainer_lock`` is the lock
     every trainer call holds. ``engine_name`` is the configured rollout
     engine, named in warnings and in the stop message.

@@ -146,12 +146,12 @@ class FlowRuntime:
         for r in rollout.replicas:
             with ctx.timeline.span(r.lane, "update_weights"):
                 try:
-                    await rollout._update(r, min_version=report.version)
+                    await rollout.load_weights(r, min_version=report.version)
                 except Exception as exc:  # noqa: BLE001 - see above
                     if isinstance(exc, EngineError) and callable(getattr(r.engine, "restart", None)):
                         # a replaceable replica (a launcher's remote one) died here: the rollout stage restarts it
                         # and loads these weights into the new one before it generates anything
-                        await rollout._replica_died(r, exc)
+                        await rollout.replica_died(r, exc)
                         continue
                     raise EngineError(
                         f"{phase}: rollout engine {cfg.rollout.name!r} (replica {r.index}) failed to load the "

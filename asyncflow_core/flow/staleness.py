@@ -16,9 +16,14 @@ is the oldest policy version among its generated tokens. With bound ``k``:
   request whose oldest token (or, before its first token, the version the
   replica had when it was submitted) is older than ``v - k`` can no longer
   be used and is aborted and re-queued.
+
+:class:`StalenessGuard` applies the last two to live engines for the rollout stage.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -65,3 +70,36 @@ def split_fresh_groups(
     stale_groups = torch.unique(group_ids[stale_row & grouped])
     stale = stale_row | (grouped & torch.isin(group_ids, stale_groups))
     return ~stale, stale
+
+
+class StalenessGuard:
+    """The bound applied to live engines: what a replica may start, and which generations are already unusable.
+
+    ``run`` is anything with the trainer's current ``version`` and the bound
+    ``k`` (the run's :class:`~asyncflow_core.flow.stage.FlowContext`); both
+    are read at every call, so the guard follows the trainer.
+    """
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def may_start(self, engine_version: int) -> bool:
+        """Whether a replica on ``engine_version`` weights may start a request now (:func:`engine_may_start`)."""
+        return engine_may_start(engine_version, self.run.version, self.run.k)
+
+    def unusable(self, oldest_token_version: int | None) -> bool:
+        """Whether a generation whose oldest token is ``oldest_token_version`` can no longer be used
+        (:func:`must_abort`); a generation without tokens (None) is never stale."""
+        return oldest_token_version is not None and must_abort(oldest_token_version, self.run.version, self.run.k)
+
+    @staticmethod
+    def start_version(engine_version: int, prefix_versions: Sequence[int] = ()) -> int:
+        """The oldest version a request's tokens can have when submitted to ``engine_version`` weights,
+        resuming from tokens of ``prefix_versions``."""
+        return min(engine_version, min(prefix_versions, default=engine_version))
+
+    def to_abort(self, inflight: Mapping[str, Any], version: int | None = None) -> list[str]:
+        """Request ids of ``inflight`` (id -> request with a ``start_version``) that are unusable at ``version``
+        (default: the trainer's current one)."""
+        v = self.run.version if version is None else version
+        return [rid for rid, q in inflight.items() if must_abort(q.start_version, v, self.run.k)]

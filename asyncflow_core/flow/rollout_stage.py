@@ -1,0 +1,398 @@
+"""The rollout stage: leases prompt rows, runs them on an engine pool, writes completions as they finish.
+
+It is a composition of parts with one job each:
+
+- ``EnginePool`` (flow/engine_pool.py): replica states, load, death and restart, sleep/wake, abort-by-id;
+- ``StalenessGuard`` (flow/staleness.py): which replica may start, which generations are unusable;
+- ``WeightFollower`` (flow/weight_follower.py): weight loads per replica, with pause/abort if needed;
+- ``TrajectoryWriter`` (flow/trajectory_writer.py): the rollout columns, written in batches, and acks.
+
+The stage itself keeps the leasing, the dispatch of requests to replicas,
+the handling of each result (one per request: write, resume, re-queue or
+fail), and the busy-span telemetry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from asyncflow_core import columns as C
+from asyncflow_core.flow.engine_pool import EnginePool, Replica
+from asyncflow_core.flow.stage import Stage
+from asyncflow_core.flow.staleness import StalenessGuard
+from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
+from asyncflow_core.flow.weight_follower import WeightFollower
+from asyncflow_core.interfaces import KVCachePolicy, RolloutEngine, WeightTransport
+from asyncflow_core.interfaces.store import BatchMeta
+from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, RaggedTensor, SamplingParams
+
+log = logging.getLogger("asyncflow.flow")
+
+__all__ = ["ROLLOUT_OUT", "Replica", "RolloutStage"]
+
+
+def _as_tuple(values: Sequence[Any] | torch.Tensor) -> tuple:
+    """A result field (sequence or 1-D tensor) as a tuple of Python numbers, without a per-element loop.
+
+    Zero-width (lengths-only) values become that many empty entries: only their count means anything.
+    """
+    if isinstance(values, torch.Tensor):
+        if values.dim() > 1 and 0 in values.shape[1:]:
+            return ((),) * values.shape[0]
+        return tuple(values.tolist())
+    return tuple(values)
+
+
+@dataclass
+class _Lease:
+    meta: BatchMeta
+    remaining: int
+
+
+@dataclass
+class _Req:
+    row: int
+    lease: _Lease
+    prompt: tuple[int, ...]
+    group: int
+    attempt: int = 0
+    prefix_ids: tuple[int, ...] = ()
+    prefix_lps: tuple[float, ...] = ()
+    prefix_versions: tuple[int, ...] = ()
+    start_version: int = 0  #: oldest version its tokens can have (replica version at submission, or the prefix's)
+
+    @property
+    def request_id(self) -> str:
+        return f"row{self.row}-try{self.attempt}"
+
+    def restart(self) -> None:
+        """Start again from the prompt, as a new request."""
+        self.prefix_ids, self.prefix_lps, self.prefix_versions = (), (), ()
+        self.attempt += 1
+
+
+class RolloutStage(Stage):
+    """Dispatches prompt rows to engine replicas, writes completions row by row as they finish.
+
+    One dispatcher leases rows (up to the replicas' free slots) and assigns
+    each to the eligible replica with the most free slots; a replica is
+    eligible when ready, not full, and its weights are inside the bound
+    (:meth:`StalenessGuard.may_start`). Per replica the weight follower pulls
+    each published version from the transport and applies it at a safe
+    point, and the aborted requests are re-submitted with their tokens as a
+    prefix when the engine can resume.
+    """
+
+    name = "rollout"
+    consumes = (C.PROMPT_IDS, C.GROUP_ID)
+    produces = ROLLOUT_OUT
+
+    def __init__(
+        self, replicas: list[RolloutEngine], transport: WeightTransport, sampling: SamplingParams, *,
+        max_inflight: int, rows_per_lease: int, lease_s: float, write_interval_s: float, deadline_s: float,
+        kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE,
+    ) -> None:
+        self.pool = EnginePool(replicas, max_inflight=max_inflight,
+                               may_start=lambda r: self.guard.may_start(r.engine.version))
+        self.follower = WeightFollower(transport, self.pool, deadline_s=deadline_s, kv_cache=kv_cache)
+        self.guard: StalenessGuard  # set by bind (it reads the run's version and bound)
+        self.transport = transport
+        self.sampling = sampling
+        self.max_inflight = max_inflight
+        self.rows_per_lease = rows_per_lease
+        self.lease_s = lease_s
+        self.write_interval_s = write_interval_s
+        self.deadline_s = deadline_s
+        self.kv_cache = kv_cache
+        self._pending: list[_Req] = []
+        self.writer = TrajectoryWriter(self.name, interval_s=write_interval_s, spawn=self._spawn,
+                                       on_written=self._poke)
+        self._tasks: set[asyncio.Task] = set()
+        self._busy_since: dict[int, float] = {}
+        self._wake = asyncio.Event()  # dispatcher wake-up: slots freed, weights updated, version moved
+        self.weights_pushed = False  #: a version is staged in the transport (a restarted replica must load it)
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.pool.replicas
+
+    def bind(self, ctx: Any) -> None:
+        super().bind(ctx)
+        self.guard = StalenessGuard(ctx)
+        self.writer.ctx = ctx
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    async def _wait_until(self, predicate: Any) -> None:
+        """Dispatcher wait; woken by its own events (per result) rather than the run-wide condition."""
+        while not predicate() and not self.ctx.stop.is_set():
+            self._wake.clear()
+            await self._wake.wait()
+
+    # -- helpers -----------------------------------------------------------------------
+
+    def _worth_leasing(self) -> bool:
+        """Cheap test first (counts, O(1) per wake-up), the exact count only when it may pass."""
+        pool = self.pool
+        upper = pool.alive * self.max_inflight - pool.inflight_total - len(self._pending)
+        want = min(self.rows_per_lease, max(1, pool.alive * self.max_inflight // 8))
+        return upper >= want and pool.free_slots(want + len(self._pending)) - len(self._pending) >= want
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.ctx.halt(f"rollout stage failed: {type(exc).__name__}: {exc}")
+
+    def _mark_busy(self, r: Replica) -> None:
+        now = self.ctx.clock()
+        if r.inflight and r.index not in self._busy_since:
+            self._busy_since[r.index] = now
+        elif not r.inflight and r.index in self._busy_since:
+            self.ctx.timeline.add(r.lane, "generate", self._busy_since.pop(r.index), now)
+
+    def _follow(self, r: Replica) -> None:
+        self._spawn(self.follower.follow(r, r.generation, self.ctx, on_failed=self.replica_died,
+                                         on_updated=self._weights_updated))
+
+    async def _weights_updated(self, r: Replica) -> None:
+        self._dispatch()
+        self._poke()
+        await self.ctx.notify()  # waiters on a replica's version (the weights canary) look again
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        ctx = self.ctx
+        ctx.listeners.append(self._wake)
+        for r in self.replicas:
+            self._follow(r)
+        self._spawn(self._stale_watch())
+        try:
+            while not ctx.stop.is_set():
+                await self._wait_until(lambda: self._worth_leasing() or self.pool.all_dead())
+                if self.pool.all_dead():
+                    ctx.halt(f"every rollout replica died (last: {self.pool.last_death}); see the log for each "
+                             "replica's error")
+                    return
+                if ctx.stop.is_set():
+                    return
+                want = min(self.rows_per_lease,
+                           self.pool.free_slots(self.rows_per_lease + len(self._pending)) - len(self._pending))
+                meta = await ctx.store.get_meta(self.name, self.consumes, want, partial=True,
+                                                lease_s=self.lease_s, consumer=self.name)
+                if meta.end_of_stream:
+                    break
+                batch = await ctx.store.get(meta)
+                lease = _Lease(meta, len(meta))
+                prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
+                gids = batch[C.GROUP_ID].tolist()
+                for i, row in enumerate(meta.row_ids.tolist()):
+                    self._pending.append(_Req(row, lease, tuple(prompts[i].tolist()), int(gids[i])))
+                self._dispatch()
+                await asyncio.sleep(0)
+            # stream ended: wait for what is in flight
+            await self._wait_until(lambda: self.pool.inflight_total == 0 and not self._pending)
+            await self.writer.flush()
+        finally:
+            for t in list(self._tasks):
+                t.cancel()
+
+    def _dispatch(self) -> None:
+        """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
+        if not self._pending:
+            return
+        per: dict[int, list[_Req]] = {}
+        assigned = 0
+        aside: list[tuple[int, int]] = []
+        for req in self._pending:
+            r = self.pool.next_replica(aside)
+            if r is None:
+                break
+            req.start_version = self.guard.start_version(r.engine.version, req.prefix_versions)
+            self.pool.assign(r, req.request_id, req)
+            per.setdefault(r.index, []).append(req)
+            assigned += 1
+        self.pool.put_back(aside)
+        self._pending = self._pending[assigned:]
+        for idx, reqs in per.items():
+            r = self.replicas[idx]
+            self._mark_busy(r)
+            self._spawn(self._drive(r, reqs))
+
+    def _request(self, req: _Req) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt, sampling=self.sampling,
+            prefix_token_ids=req.prefix_ids, prefix_logprobs=req.prefix_lps, prefix_versions=req.prefix_versions,
+        )
+
+    async def _drive(self, r: Replica, reqs: list[_Req]) -> None:
+        waiting = {q.request_id: q for q in reqs}
+        unknown: list[str] = []
+        gen = r.generation
+        try:
+            async for res in r.engine.generate([self._request(q) for q in reqs]):
+                if waiting.pop(res.request_id, None) is None:
+                    unknown.append(res.request_id)
+                await self._on_result(r, res)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a dying engine must not take the run down
+            if r.generation == gen:  # not a late failure of an incarnation already replaced
+                await self.replica_died(r, exc)
+            return
+        # the contract is one result per request: a request left without one would wait forever (a hang)
+        orphans = [q for q in waiting.values() if r.inflight.get(q.request_id) is q]
+        if orphans and not self.ctx.stop.is_set():
+            why = (f"rollout engine {type(r.engine).__name__} (replica {r.index}) ended generate() without a result "
+                   f"for this request" + (f"; it returned unknown request ids {unknown[:5]}" if unknown else "")
+                   + ". Every request must yield exactly one result with its own request_id")
+            for q in orphans:
+                self.pool.release(r, q.request_id)
+                self.ctx.fail_rows(self.name, [q.row], why)
+                await self.writer.write(q, None)
+            self._mark_busy(r)
+            self._dispatch()
+            self._poke()
+
+    # -- replicas and weights (public: the runtime's initial push and resume use them) ------------------
+
+    async def load_weights(self, r: Replica, *, min_version: int | None = None) -> None:
+        """Pull the newest staged version (``min_version``: default the replica's next) into replica ``r``."""
+        if await self.follower.load(r, min_version=min_version):
+            self.ctx.counters["paused_for_update"] += 1
+
+    async def replica_died(self, r: Replica, exc: BaseException) -> None:
+        """Replica ``r`` failed: re-queue its requests, and restart it when its engine can be replaced."""
+        orphans = self.pool.mark_dead(r, exc, restartable=self.pool.restartable(r) and not self.ctx.stop.is_set())
+        if orphans is None:
+            return  # already dead
+        self._mark_busy(r)
+        self.ctx.counters["replicas_died"] += 1
+        self.ctx.counters["requeued_engine_death"] += len(orphans)
+        log.error("rollout replica %d died (%s: %s); re-queuing its %d requests", r.index, type(exc).__name__, exc,
+                  len(orphans))
+        for q in orphans:
+            q.restart()
+            self._pending.append(q)
+        if r.reviving:  # the engine can be replaced (a launcher's remote replica): do it, then reload weights
+            self._spawn(self._revive(r))
+        self._dispatch()
+        self._poke()
+        await self.ctx.notify()  # its weight-follow task sees the death and ends
+
+    async def _revive(self, r: Replica) -> None:
+        """Replace a dead replica's engine, load the newest staged weights into it, and give it work again."""
+        ctx = self.ctx
+
+        async def reload(r: Replica) -> None:
+            if self.follower.needs_reload(r.engine.version, ctx.published, pushed=self.weights_pushed):
+                with ctx.timeline.span(r.lane, "update_weights"):
+                    await self.load_weights(r, min_version=ctx.published)
+
+        if not await self.pool.restart(r, reload, span=ctx.timeline.span):
+            self._poke()
+            return
+        ctx.counters["replicas_restarted"] += 1
+        log.warning("rollout replica %d restarted at version %d", r.index, r.engine.version)
+        self._follow(r)
+        self._dispatch()
+        self._poke()
+
+    # -- results -------------------------------------------------------------------------------
+
+    async def _on_result(self, r: Replica, res: GenerationResult) -> None:
+        ctx = self.ctx
+        req = self.pool.release(r, res.request_id)
+        self._mark_busy(r)
+        if req is None:
+            return  # a request we already gave up on
+        if res.finish_reason is FinishReason.ERROR:
+            ctx.fail_rows(self.name, [req.row], res.error or "engine error")
+            await self.writer.write(req, None)
+        elif res.finish_reason is FinishReason.ABORT:
+            if ctx.stop.is_set():
+                return
+            self._resubmit(r, req, res)
+        elif self.guard.unusable(res.min_version):
+            self._stale(req)
+        else:
+            await self.writer.write(req, res)
+        self._dispatch()
+        self._poke()
+
+    def _resubmit(self, r: Replica, req: _Req, res: GenerationResult) -> None:
+        ctx = self.ctx
+        fresh_prefix = not self.guard.unusable(res.min_version)
+        if len(res.token_ids) and fresh_prefix and r.engine.features.supports_resume_prefix:
+            req.prefix_ids = _as_tuple(res.token_ids)
+            req.prefix_lps = _as_tuple(res.logprobs)
+            req.prefix_versions = _as_tuple(res.versions)
+            ctx.counters["resumed_partial"] += 1
+            req.attempt += 1
+            self._pending.append(req)
+        elif not fresh_prefix:
+            self._stale(req)
+        else:
+            req.restart()
+            ctx.counters["restarted_abort"] += 1
+            self._pending.append(req)
+
+    def _stale(self, req: _Req) -> None:
+        """A generation that can no longer be used: start it again on fresh weights (requeue) or drop its group."""
+        ctx = self.ctx
+        if ctx.stale_policy == "drop":
+            ctx.outcomes.stale(req.row)
+            self._spawn(self.writer.write(req, None))
+            return
+        req.restart()
+        ctx.counters["requeued_stale_rollout"] += 1
+        self._pending.append(req)
+
+    async def _stale_watch(self) -> None:
+        """On every trainer version, abort in-flight requests that can no longer be used."""
+        ctx = self.ctx
+        seen = ctx.version
+        while not ctx.stop.is_set():
+            await ctx.wait_for(lambda: ctx.version != seen)
+            seen = ctx.version
+            for r in self.replicas:
+                if r.dead or not r.engine.features.supports_abort:
+                    continue
+                ids = self.guard.to_abort(r.inflight, seen)
+                if ids:
+                    ctx.counters["aborted_stale"] += len(ids)
+                    try:
+                        await self.pool.abort(r, ids)
+                    except Exception as exc:  # noqa: BLE001
+                        await self.replica_died(r, exc)
+
+    # -- colocated sleep/wake and telemetry -------------------------------------------------------------
+
+    async def sleep_all(self) -> None:
+        """Every replica releases its device memory for the colocated train step (all at once, like the devices)."""
+        await self.pool.sleep_all()
+
+    async def wake_all(self) -> None:
+        await self.pool.wake_all()
+
+    def close_spans(self) -> None:
+        """Record the busy spans still open (replicas generating when the run stopped)."""
+        if not hasattr(self, "ctx"):
+            return  # the run stopped before the stage was bound (an engine failed to start)
+        now = self.ctx.clock()
+        for idx, since in list(self._busy_since.items()):
+            self.ctx.timeline.add(self.replicas[idx].lane, "generate", since, now)
+        self._busy_since.clear()

@@ -1,0 +1,78 @@
+"""TrajectoryWriter on its own: columns per row, placeholders, batching and acks once a lease is written.
+
+Uses a fake store that records puts and acks (no runtime or engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from types import SimpleNamespace
+
+import torch
+
+from asyncflow_core import columns as C
+from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
+from asyncflow_core.types import FinishReason, GenerationResult
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.puts: list[tuple] = []
+        self.acks: list = []
+
+    async def put(self, cols, *, rows, versions):
+        self.puts.append((cols, rows.row_ids.tolist(), versions.tolist()))
+
+    async def ack(self, meta):
+        self.acks.append(meta)
+
+
+def _res(rid, n, reason=FinishReason.STOP, v=(1, 2)):
+    return GenerationResult(request_id=rid, prompt_token_ids=(1,), token_ids=list(range(n)), logprobs=[-0.5] * n,
+                            versions=[v[0]] * (n - 1) + [v[1]], finish_reason=reason)
+
+
+def test_rows_are_written_as_the_rollout_columns_and_a_lease_is_acked_once_whole():
+    store = FakeStore()
+    ctx = SimpleNamespace(store=store, version=3, processed=Counter(), counters=Counter())
+    written = []
+    w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
+                         on_written=lambda: written.append(1))
+    w.ctx = ctx
+    lease_a = SimpleNamespace(meta="A", remaining=2)
+    lease_b = SimpleNamespace(meta="B", remaining=2)
+
+    async def main():
+        await w.write(SimpleNamespace(row=7, lease=lease_a), _res("r7", 3))
+        await w.write(SimpleNamespace(row=8, lease=lease_a), None)  # settled without a result
+        await w.write(SimpleNamespace(row=9, lease=lease_b), _res("r9", 2, FinishReason.LENGTH))
+        assert store.puts == []  # buffered until the interval or 64 rows
+        await w.flush()
+
+    asyncio.run(main())
+    (cols, rows, vrange), = store.puts
+    assert set(cols) == set(ROLLOUT_OUT) and rows == [7, 8, 9]
+    assert cols[C.RESPONSE_IDS].lengths.tolist() == [3, 0, 2]
+    assert cols[C.RESPONSE_VERSIONS].values.tolist() == [1, 1, 2, 1, 2]
+    assert cols[C.TRUNCATED].tolist() == [False, False, True]
+    assert vrange == [[1, 2], [3, 3], [1, 2]]  # a placeholder row gets the current version
+    assert store.acks == ["A"] and lease_b.remaining == 1 and written == [1]
+    assert ctx.processed["rollout"] == 3 and ctx.counters["tokens_generated"] == 5
+
+
+def test_64_rows_flush_at_once():
+    store = FakeStore()
+    ctx = SimpleNamespace(store=store, version=0, processed=Counter(), counters=Counter())
+    w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
+                         on_written=lambda: None)
+    w.ctx = ctx
+    lease = SimpleNamespace(meta="L", remaining=64)
+
+    async def main():
+        for i in range(64):
+            await w.write(SimpleNamespace(row=i, lease=lease), _res(f"r{i}", 1, v=(0, 0)))
+
+    asyncio.run(main())
+    assert len(store.puts) == 1 and store.acks == ["L"]
+    assert torch.equal(torch.tensor(store.puts[0][1]), torch.arange(64))
