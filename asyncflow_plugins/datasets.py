@@ -6,6 +6,12 @@ fields, and an optional ``answer_key`` copied to ``metadata["answer"]`` (the
 key rewards read by default). Every other field of a row is kept in the
 record's metadata.
 
+A row may hold a chat instead of a prompt: a ``messages`` field (a list of
+``{role, content}``), kept as ``metadata["messages"]`` and rendered once by
+the checkpoint's chat template when the run starts feeding it (see
+``asyncflow_core.flow.tokenizer``). Its roles are checked when the file is
+read; the record's ``prompt`` text (what rewards see) is its last user message.
+
 Files are read once, when the dataset is built, so a missing file, a missing
 field or a template that does not fit the data is a :class:`ConfigError` at
 start-up that names the file, the row and the fields that do exist, never a
@@ -27,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.tokenizer import check_messages
 from asyncflow_core.interfaces import Dataset
 from asyncflow_core.plugins import DatasetBackend, hookimpl
 from asyncflow_core.types import PromptRecord
@@ -69,6 +76,11 @@ class FileDatasetConfig(BaseModel):
     )
     answer_key: str | None = Field(
         None, description="Field holding the reference answer, copied to metadata['answer'] (what rewards read)."
+    )
+    messages_key: str = Field(
+        "messages",
+        description="Field holding a chat (a list of {role, content}) in rows without the prompt_key field; rendered "
+        "by model.path's chat template.",
     )
 
     @field_validator("template")
@@ -122,10 +134,16 @@ class _RecordBuilder:
         if config.answer_key:
             self.needed.add(config.answer_key)
 
+    def _chat(self, fields: Iterable[str]) -> bool:
+        """Whether rows with these fields are chats: a messages field and no prompt field (nor a template)."""
+        fields = set(fields)
+        return self.template is None and self.config.messages_key in fields and self.config.prompt_key not in fields
+
     def check_columns(self, columns: Iterable[str], where: str) -> None:
         """For columnar sources: every field the options name exists (checked once, before any row)."""
         columns = list(columns)
-        missing = sorted(self.needed - set(columns))
+        needed = self.needed - {self.config.prompt_key} if self._chat(columns) else self.needed
+        missing = sorted(needed - set(columns))
         if missing:
             raise ConfigError(
                 f"{where}: no field {', '.join(repr(m) for m in missing)} ({self._which(missing)}); "
@@ -145,12 +163,17 @@ class _RecordBuilder:
 
     def build(self, index: int, row: Mapping[str, Any], where: str) -> PromptRecord:
         cfg = self.config
+        if self._chat(row):
+            return self._build_chat(index, row, where)
         missing = sorted(self.needed - set(row))
         if missing:
             raise ConfigError(
                 f"{where}: no field {', '.join(repr(m) for m in missing)} ({self._which(missing)}); "
                 f"available fields: {_fields(row)}"
             )
+        if cfg.messages_key in row and row[cfg.messages_key] is not None:
+            raise ConfigError(f"{where}: the row has both a prompt and {cfg.messages_key!r}; keep one "
+                              f"(a chat is rendered by the chat template, a prompt is encoded as it is)")
         if row[cfg.prompt_key] is None:
             raise ConfigError(f"{where}: field {cfg.prompt_key!r} is empty (null)")
         if self.template is None:
@@ -173,6 +196,19 @@ class _RecordBuilder:
                 raise ConfigError(f"{where}: answer field {cfg.answer_key!r} is empty (null)")
             meta["answer"] = row[cfg.answer_key]
         return PromptRecord(index=index, prompt=prompt, metadata=meta)
+
+    def _build_chat(self, index: int, row: Mapping[str, Any], where: str) -> PromptRecord:
+        cfg = self.config
+        messages = check_messages(row[cfg.messages_key], where)
+        meta = {k: v for k, v in row.items() if k != cfg.messages_key}
+        meta["messages"] = messages
+        if cfg.answer_key:
+            if row.get(cfg.answer_key) is None:
+                raise ConfigError(f"{where}: no answer field {cfg.answer_key!r} (data.options.answer_key); "
+                                  f"available fields: {_fields(row)}")
+            meta["answer"] = row[cfg.answer_key]
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        return PromptRecord(index=index, prompt=users[-1] if users else messages[-1]["content"], metadata=meta)
 
 
 class _InMemory(Dataset):

@@ -40,6 +40,11 @@ class ModelConfig(StrictModel):
     )
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="Parameter dtype.")
     trust_remote_code: bool = Field(False, description="Allow model code shipped in the checkpoint to run.")
+    system_prompt: str | None = Field(
+        None,
+        description="With `path`: a system message put first in every `messages` record that has none, before the "
+        "checkpoint's chat template renders it.",
+    )
     alphabet: str = Field(
         "0123456789+-*/=() abcdefghijklmnopqrstuvwxyz.,?",
         description="Without `path`: a character tokenizer, token i = alphabet[i] (toy and simulated models).",
@@ -65,6 +70,9 @@ class ModelConfig(StrictModel):
     def _one_source(self) -> ModelConfig:
         if self.path is not None and self.hf_config is not None:
             raise ValueError("set either model.path or model.hf_config, not both")
+        if self.system_prompt is not None and self.path is None:
+            raise ValueError("model.system_prompt is for chat records rendered by a checkpoint's chat template; "
+                             "set model.path, or remove model.system_prompt")
         if self.eos is not None:
             if self.path is not None:
                 raise ValueError("model.eos is for the character tokenizer; with model.path the checkpoint's EOS "

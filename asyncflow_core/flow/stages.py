@@ -19,13 +19,13 @@ from typing import Any
 import torch
 
 from asyncflow_core import columns as C
-from asyncflow_core.errors import AsyncflowError, ConfigError, EngineError
+from asyncflow_core.errors import AsyncflowError, EngineError
 from asyncflow_core.flow import staleness as S
 from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.outcomes import RowOutcome, merge_outputs
 from asyncflow_core.flow.rollout_stage import ROLLOUT_OUT, Replica, RolloutStage
 from asyncflow_core.flow.stage import RunStopped, Stage, StageOutput
-from asyncflow_core.flow.tokenizer import Tokenizer
+from asyncflow_core.flow.tokenizer import Tokenizer, encode_record
 from asyncflow_core.interfaces import (
     Algorithm,
     Dataset,
@@ -81,10 +81,7 @@ class PromptFeeder(Stage):
         ids = self._token_cache.get(index)
         if ids is None:
             rec = self.dataset[index]
-            try:
-                ids = tuple(rec.prompt_token_ids) or tuple(self.tokenizer.encode(rec.prompt))
-            except ConfigError as exc:
-                raise ConfigError(f"dataset record {index}: {exc}") from None
+            ids = encode_record(self.tokenizer, rec)  # ConfigError naming the record; chats rendered once here
             if not ids:
                 raise RunStopped(f"dataset record {index} has an empty prompt; remove it or give it text")
             self._token_cache[index] = ids
