@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
+import os
 import pickle
 from collections.abc import AsyncIterator, Sequence
 from multiprocessing import shared_memory
@@ -206,8 +208,28 @@ def reassemble(rank_rows: Sequence[torch.Tensor], pieces: Sequence[Sequence[torc
     return RaggedTensor.from_sequences(out, dtype=torch.float32)
 
 
+#: Where POSIX shared-memory segments appear as files (Linux); elsewhere buckets are copied out instead
+_SHM_DIR = Path("/dev/shm")
+
+
 def from_shared_memory(name: str, nbytes: int) -> torch.Tensor:
-    """Copy a rank's bucket out of its shared-memory segment into a tensor this process owns; unlink the segment."""
+    """A rank's bucket as a tensor this process owns; the segment's name is unlinked.
+
+    On Linux the segment is mapped, not copied: the tensor holds the mapping
+    (``torch.frombuffer`` keeps the ``mmap`` alive), the name is unlinked at
+    once, and the memory is freed when the last tensor using it goes. The
+    bytes were written by the rank before it answered, so nothing else writes
+    them. Elsewhere they are copied out of the segment.
+    """
+    path = _SHM_DIR / name.lstrip("/")
+    if nbytes > 0 and path.is_file():
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mapped = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+            os.unlink(path)
+        return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
     shm = shared_memory.SharedMemory(name=name)
     try:
         out = torch.empty(nbytes, dtype=torch.uint8)
