@@ -58,7 +58,7 @@ STANDARD_COLUMN_TYPES: dict[str, tuple[str, torch.dtype]] = {
 }
 
 #: Ragged standard columns with one value per response token (their offsets are the response's).
-_PER_RESPONSE_TOKEN = frozenset({C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.OLD_LOGPROBS, C.REF_LOGPROBS, C.VALUES,
+PER_RESPONSE_TOKEN = frozenset({C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.OLD_LOGPROBS, C.REF_LOGPROBS, C.VALUES,
                                  C.ADVANTAGES, C.RETURNS, C.LOGPROBS, C.VALUE_PREDS, C.LOSS_MASK})
 _RESPONSE_IDS = C.RESPONSE_IDS
 
@@ -208,7 +208,7 @@ class Stage(abc.ABC):
             kind, dtype = self.column_types.get(col) or STANDARD_COLUMN_TYPES.get(col) or ("dense", torch.float32)
             if kind == "dense":
                 out[col] = torch.zeros(n, dtype=dtype)
-            elif col in _PER_RESPONSE_TOKEN and isinstance(resp, RaggedTensor):
+            elif col in PER_RESPONSE_TOKEN and isinstance(resp, RaggedTensor):
                 out[col] = RaggedTensor(torch.zeros(resp.numel_packed, dtype=dtype), resp.offsets)
             else:
                 out[col] = RaggedTensor(torch.zeros(0, dtype=dtype), torch.zeros(n + 1, dtype=torch.int64))

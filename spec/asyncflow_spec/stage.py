@@ -34,33 +34,17 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.errors import StoreError
 from asyncflow_core.flow.ledger import Ledger
-from asyncflow_core.flow.stage import FlowContext, Stage, StageOutput
+from asyncflow_core.flow.stage import PER_RESPONSE_TOKEN as CORE_PER_RESPONSE_TOKEN
+from asyncflow_core.flow.stage import STANDARD_COLUMN_TYPES, FlowContext, Stage, StageOutput
 from asyncflow_core.flow.telemetry import Timeline
 from asyncflow_core.plugins import PluginKind, get_plugin_manager
 from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_spec.base import BackendSpec, run
 
-#: The standard columns (asyncflow_core/columns.py): ragged or dense, and their dtype.
-STANDARD_COLUMNS: dict[str, tuple[str, torch.dtype]] = {
-    C.PROMPT_IDS: ("ragged", torch.int64),
-    C.RESPONSE_IDS: ("ragged", torch.int64),
-    C.BEHAVIOR_LOGPROBS: ("ragged", torch.float32),
-    C.RESPONSE_VERSIONS: ("ragged", torch.int64),
-    C.OLD_LOGPROBS: ("ragged", torch.float32),
-    C.REF_LOGPROBS: ("ragged", torch.float32),
-    C.VALUES: ("ragged", torch.float32),
-    C.REWARD: ("dense", torch.float32),
-    C.ADVANTAGES: ("ragged", torch.float32),
-    C.RETURNS: ("ragged", torch.float32),
-    C.GROUP_ID: ("dense", torch.int64),
-    C.LOGPROBS: ("ragged", torch.float32),
-    C.FILTERED: ("dense", torch.bool),
-    C.TRUNCATED: ("dense", torch.bool),
-}
-
-#: Per-token ragged columns: one value per response token (their offsets are the response's).
-PER_RESPONSE_TOKEN = {C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.OLD_LOGPROBS, C.REF_LOGPROBS, C.VALUES,
-                      C.ADVANTAGES, C.RETURNS, C.LOGPROBS}
+#: The standard columns' kind and dtype, and those with one value per response token: the runtime's own tables
+#: (asyncflow_core/flow/stage.py), so the suite checks a stage against exactly what the loop writes.
+STANDARD_COLUMNS = STANDARD_COLUMN_TYPES
+PER_RESPONSE_TOKEN = CORE_PER_RESPONSE_TOKEN
 
 
 class StageSpec(BackendSpec):
