@@ -18,7 +18,10 @@ Reported per mode: samples/s and tokens/s of wall time (whole run, model
 build and start-up excluded: from the first step's start to the last step's
 end), seconds to the first step whose mean reward (and exact-match accuracy,
 where the reward reports it) reaches 0.8, the final reward (mean of the last
-five steps), and each lane's utilisation. The reward curves of all modes
+five steps), and each lane's utilisation. ``learning`` holds the figures
+``benchmarks/peers/trl_grpo.py`` reports for TRL, computed by the same code
+(:mod:`peers.common`): samples/s, the 5-step mean accuracy at fixed steps,
+seconds from the first step's start until it reaches 0.5, final accuracy. The reward curves of all modes
 are drawn on one plot (``reward_curves.png`` in ``--out``), to see whether
 asynchrony changes convergence per step.
 """
@@ -35,10 +38,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from asyncflow_core.config.loader import load_config, resolve  # noqa: E402
 from asyncflow_core.flow.launcher import launch  # noqa: E402
 from asyncflow_core.flow.telemetry import load_metrics, reward_png  # noqa: E402
+from peers.common import learning_summary  # noqa: E402
 
 MODES = {"sync": ["async.mode=sync"], "one_step": ["async.mode=one_step"],
          "async2": ["async.mode=async", "async.max_staleness=2"]}
@@ -73,6 +78,9 @@ def run_mode(config: Path, mode: str, steps: int | None, out: Path, overrides: l
     tokens = sum(r["tokens"] for r in records)
     last = records[-5:]
     acc_key = "reward/correct" if "reward/correct" in records[0] else "reward_mean"
+    # the figures benchmarks/peers/trl_grpo.py reports for its side, computed the same way
+    steps = [{"step": r["step"], "end_s": r["time_s"] - first_start, "samples": r["samples"],
+              "accuracy": r.get(acc_key, 0.0)} for r in records]
     return {
         "mode": mode,
         "launcher": launcher,
@@ -88,6 +96,8 @@ def run_mode(config: Path, mode: str, steps: int | None, out: Path, overrides: l
         "final_accuracy": statistics.fmean(r.get(acc_key, 0.0) for r in last),
         "weight_sync_s_per_step": statistics.fmean(r.get("weight_sync_s") or 0.0 for r in records),
         "utilisation": summary["utilisation"],
+        "learning": learning_summary(steps),
+        "accuracy_per_step": [s["accuracy"] for s in steps],
         "staleness_histogram": summary["staleness_histogram"],
         "wall_s": wall,
         "run_dir": str(run_dir),

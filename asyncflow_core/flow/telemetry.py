@@ -36,6 +36,26 @@ class Span:
     end: float
 
 
+#: lists that :func:`observe_timelines` blocks collect new timelines into
+_observers: list[list[Timeline]] = []
+
+
+@contextlib.contextmanager
+def observe_timelines() -> Iterator[list[Timeline]]:
+    """Every :class:`Timeline` created inside the block, in order (a profiler reads a run's spans live).
+
+    A run's spans are on its clock (``t0`` is that clock at the timeline's
+    creation; for a real run ``loop.time``, i.e. ``time.monotonic``), so a
+    profiler can line them up with measurements taken in other processes.
+    """
+    found: list[Timeline] = []
+    _observers.append(found)
+    try:
+        yield found
+    finally:
+        _observers.remove(found)
+
+
 class Timeline:
     """Collects spans; ``clock`` is the run's clock (``loop.time``)."""
 
@@ -44,6 +64,8 @@ class Timeline:
         self.spans: list[Span] = []
         self.t0 = clock()
         self._open: dict[str, int] = defaultdict(int)  # lane -> number of overlapping open spans
+        for found in _observers:
+            found.append(self)
 
     def add(self, lane: str, name: str, start: float, end: float) -> None:
         if end > start:

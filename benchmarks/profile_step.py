@@ -1,0 +1,668 @@
+"""Profile one training step of the real runtime at several model sizes: where a step's wall time goes.
+
+Usage: python benchmarks/profile_step.py [--sizes 0.1M,10M,100M,0.5B] [--steps N] [--warmup W] [--cooldown C]
+                                         [--checkpoint-every K] [--logprob-stages] [--json] [--png PATH]
+                                         [--out runs/profile_step] [override ...]
+
+Each size is a real run of ``examples/arithmetic_grpo.yaml`` (``one_step``,
+the ``local`` launcher, the ``torch`` rollout engine, the ``fsdp`` trainer at
+world size 1, the in-process store and weight transport) with only the
+model swapped for random weights of that shape (``SIZES``), in a process of
+its own (so each size's peak RSS is its own). ``W`` warm-up steps run first,
+then the ``N`` measured steps, then ``C`` cool-down steps (``trainer.total_steps
+= W + N + C``): a run's last step is not a steady one (nothing is left to
+generate beside it), nor is its first (nothing was generated before it).
+
+A step is the window between the ends of two consecutive steps (the
+``time_s`` and ``step_seconds`` of ``metrics.jsonl``). Inside it the split
+comes from the runtime's own ``Timeline`` spans (``generate``, ``score``,
+``logprobs``, ``advantages``, ``train_step``, ``send_weights``,
+``update_weights``, ``checkpoint``) refined by probes where the runtime has no
+span of its own:
+
+- in the rank process (a rank spawner that wraps the rank's entry point):
+  each command's time in the rank, and inside ``train`` the time in
+  ``Tensor.backward`` and in gradient clipping plus ``optimizer.step``;
+  ``train_forward`` is the rest of the rank's ``train`` command (forward,
+  loss, bookkeeping) and ``train_ipc`` is the rest of the driver's
+  ``train_step`` span (input checks, planning, pickling, the pipe to the
+  rank and back);
+- in the driver: the time inside the trainer's ``export_weights`` iterator
+  (``weight_export``: the rank's gather and pack, the shared-memory hand-off),
+  the rollout engine's install of a received version (``weight_load``; the
+  rest of ``update_weights`` and of ``send_weights`` is ``weight_transfer``:
+  staging and checksum verification), and the time the in-process store's
+  lock is held (``store``: every store call's synchronous work).
+
+Two views per step. ``phases_s`` is exclusive and sums to the step's wall
+time: each instant goes to one phase, the trainer's critical path first
+(train_backward/optimizer > train_forward > train_ipc > weight_export >
+weight_transfer (send side) > checkpoint), then store > weight_load >
+weight_transfer (receive side) > old_ref_logprobs > reward > advantage >
+generate > other; ``idle`` is time with nothing busy. ``busy_s`` is each
+phase's own busy time (union of its intervals), which overlaps across
+phases (generation runs beside training in ``one_step``); a phase measured
+inside another (the rank's command inside ``train_step``) is not counted again
+in the outer one.
+
+Peak RSS per process is ``VmHWM`` from ``/proc``: the driver's own, and
+every descendant's (rank processes, the forkserver), found by walking
+``/proc/*/stat`` parent ids while the run is on.
+
+``--logprob-stages`` adds ``algorithm.options.correction=decoupled`` and
+``kl_coef=0.001`` so the ``old`` and ``ref`` log-prob stages run (the
+example as shipped needs neither: ``old_ref_logprobs`` is then 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+for _p in (str(REPO), str(HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+EXAMPLE = REPO / "examples" / "arithmetic_grpo.yaml"
+
+#: model shapes (Hugging Face configs); None: the example's own model
+SIZES: dict[str, dict[str, Any] | None] = {
+    "0.1M": None,
+    # Qwen2 layouts (2 KV heads, SwiGLU, tied embeddings) over the task's 14-token vocabulary
+    "10M": {"model_type": "qwen2", "vocab_size": 14, "hidden_size": 256, "intermediate_size": 1376,
+            "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 32, "tie_word_embeddings": True},
+    "100M": {"model_type": "qwen2", "vocab_size": 14, "hidden_size": 768, "intermediate_size": 3072,
+             "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 2,
+             "max_position_embeddings": 32, "tie_word_embeddings": True},
+    # the Qwen2.5-0.5B shape, with its full vocabulary
+    "0.5B": {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+             "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+             "max_position_embeddings": 32, "tie_word_embeddings": True},
+}
+
+#: exclusive phases, in display order
+PHASES = ("generate", "reward", "old_ref_logprobs", "advantage", "train_forward", "train_backward",
+          "train_optimizer", "train_ipc", "weight_export", "weight_transfer", "weight_load", "checkpoint",
+          "store", "other", "idle")
+
+#: priority of each interval kind in the exclusive split (higher wins); kinds map to phases in ``_KIND_PHASE``
+_PRIORITY = {
+    "train_backward": 100, "train_optimizer": 100, "train_forward": 90, "train_ipc": 80, "weight_export": 70,
+    "weight_transfer_send": 60, "checkpoint": 55, "store": 50, "weight_load": 45, "weight_transfer_recv": 40,
+    "old_ref_logprobs": 30, "reward": 29, "advantage": 28, "generate": 20, "other": 10,
+}
+_KIND_PHASE = {k: k for k in _PRIORITY} | {"weight_transfer_send": "weight_transfer",
+                                           "weight_transfer_recv": "weight_transfer"}
+#: timeline span name -> interval kind (spans not listed and not waiting are "other")
+_SPAN_KIND = {"generate": "generate", "score": "reward", "logprobs": "old_ref_logprobs",
+              "advantages": "advantage", "train_step": "train_ipc", "send_weights": "weight_transfer_send",
+              "update_weights": "weight_transfer_recv", "checkpoint": "checkpoint"}
+_WAITING = frozenset({"admission_wait", "wait_batch"})
+#: phases measured inside another's intervals: its busy time excludes them
+_NESTED = {"train_forward": ("train_backward", "train_optimizer"),
+           "train_ipc": ("train_forward", "train_backward", "train_optimizer"),
+           "weight_transfer": ("weight_export", "weight_load")}
+
+
+# ------------------------------------------------------------------------------------------ /proc
+
+def _status_kb(pid: int | str, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _children_of(root: int) -> set[int]:
+    """Every live descendant of ``root`` (parent ids from ``/proc/*/stat``)."""
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                stat = fh.read()
+            parent[int(name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out: set[int] = set()
+    frontier = [root]
+    while frontier:
+        p = frontier.pop()
+        for child, pp in parent.items():
+            if pp == p and child not in out:
+                out.add(child)
+                frontier.append(child)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class _RssSampler:
+    """Polls the peak RSS (VmHWM) of this process's descendants; a process's last reading is its peak."""
+
+    def __init__(self, interval_s: float = 0.2) -> None:
+        self.interval_s = interval_s
+        self.peak_kb: dict[int, int] = {}
+        self.label: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in _children_of(os.getpid()):
+            kb = _status_kb(pid, "VmHWM")
+            if kb is None:
+                continue
+            self.peak_kb[pid] = max(kb, self.peak_kb.get(pid, 0))
+            if pid not in self.label:
+                cmd = _cmdline(pid)
+                self.label[pid] = ("forkserver" if "forkserver" in cmd else
+                                   "resource_tracker" if "resource_tracker" in cmd else "child")
+
+
+# ------------------------------------------------------------------------------------------ rank probe
+
+class _RankRecorder:
+    """Intervals of one rank process (time.monotonic, the driver's event-loop clock), one JSON line per command."""
+
+    def __init__(self, path: Path, rank: int) -> None:
+        self.path = path
+        self.rank = rank
+        self.parts: list[tuple[str, float, float]] = []
+        self.recv_bytes = 0
+
+    @contextlib.contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self.parts.append((name, start, time.monotonic()))
+
+    def command(self, op: str, start: float, end: float) -> None:
+        record = {"pid": os.getpid(), "rank": self.rank, "op": op, "start": start, "end": end,
+                  "recv_bytes": self.recv_bytes, "parts": self.parts,
+                  "vmhwm_kb": _status_kb("self", "VmHWM")}
+        self.parts, self.recv_bytes = [], 0
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+class _CountingConn:
+    """The rank's pipe, counting the bytes of each command it receives."""
+
+    def __init__(self, conn: Any, rec: _RankRecorder) -> None:
+        self._conn = conn
+        self._rec = rec
+
+    def recv_bytes(self, *args: Any) -> bytes:
+        data = self._conn.recv_bytes(*args)
+        self._rec.recv_bytes += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def _install_rank_probes(target: Any, rec: _RankRecorder) -> None:
+    import torch
+
+    from asyncflow_core.launchers.rank_worker import RankWorkerBase
+
+    module = sys.modules[target.__module__]
+    workers = [v for v in vars(module).values()
+               if isinstance(v, type) and issubclass(v, RankWorkerBase) and v.__module__ == module.__name__]
+    for cls in workers:  # the engine's own worker classes (each op wrapped once, inherited ones included)
+        for name in [n for n in dir(cls) if n.startswith("op_")]:
+            fn = getattr(cls, name)
+
+            def timed(self: Any, payload: Any, _fn: Any = fn, _op: str = name[3:]) -> Any:
+                start = time.monotonic()
+                try:
+                    return _fn(self, payload)
+                finally:
+                    rec.command(_op, start, time.monotonic())
+
+            setattr(cls, name, functools.wraps(fn)(timed))
+
+    backward = torch.Tensor.backward
+
+    def timed_backward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with rec.span("train_backward"):
+            return backward(self, *args, **kwargs)
+
+    torch.Tensor.backward = timed_backward  # type: ignore[method-assign]
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def timed_clip(*args: Any, **kwargs: Any) -> Any:
+        with rec.span("train_optimizer"):
+            return clip(*args, **kwargs)
+
+    torch.nn.utils.clip_grad_norm_ = timed_clip
+    started: list[float] = []
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(lambda *_: started.append(time.monotonic()))
+    register_optimizer_step_post_hook(lambda *_: rec.parts.append(("train_optimizer", started.pop(),
+                                                                   time.monotonic())))
+
+
+def probe_rank_main(rank: int, world_size: int, conn: Any, target: Any, out_dir: str, *args: Any) -> None:
+    """A rank's entry point with the probes installed; then the engine's own ``target``."""
+    rec = _RankRecorder(Path(out_dir) / f"rank{rank}-{os.getpid()}.jsonl", rank)
+    _install_rank_probes(target, rec)
+    target(rank, world_size, _CountingConn(conn, rec), *args)
+
+
+def _probe_spawner(out_dir: Path) -> Any:
+    from asyncflow_core.launchers.ranks import RankGroup, RankSpawner
+
+    import profile_step  # this module by its importable name, so rank processes can unpickle the entry point
+
+    class ProbeSpawner(RankSpawner):
+        def start(self, world_size: int, target: Any, args: tuple[Any, ...], *, start_method: str,
+                  preload: Any = (), name: str = "asyncflow-rank") -> Any:
+            return RankGroup(world_size, profile_step.probe_rank_main, (target, str(out_dir), *args),
+                             start_method=start_method, preload=preload, name=name)
+
+    return ProbeSpawner()
+
+
+# ------------------------------------------------------------------------------------------ driver probes
+
+@contextlib.contextmanager
+def _driver_probes(intervals: list[tuple[str, float, float]], notes: list[str]) -> Iterator[None]:
+    """Time the export iterator, the rollout engine's install, and the in-process store's lock (restored after)."""
+    undo: list[tuple[Any, str, Any]] = []
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    from asyncflow_core.launchers import rank_driver
+    from asyncflow_core.store import inprocess
+
+    export = rank_driver.RankEngineDriver.export_weights
+
+    async def timed_export(self: Any, *args: Any, **kwargs: Any) -> Any:
+        it = export(self, *args, **kwargs).__aiter__()
+        while True:
+            start = time.monotonic()
+            try:
+                bucket = await it.__anext__()
+            except StopAsyncIteration:
+                intervals.append(("weight_export", start, time.monotonic()))
+                return
+            intervals.append(("weight_export", start, time.monotonic()))
+            yield bucket
+
+    patch(rank_driver.RankEngineDriver, "export_weights", functools.wraps(export)(timed_export))
+
+    try:
+        from asyncflow_plugins.hf.rollout import TorchRolloutEngine
+    except ImportError:  # pragma: no cover - the hf plugin ships with the core
+        TorchRolloutEngine = None  # noqa: N806
+    install = getattr(TorchRolloutEngine, "_install", None)
+    if install is not None:
+        async def timed_install(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return await install(self, *args, **kwargs)
+            finally:
+                intervals.append(("weight_load", start, time.monotonic()))
+
+        patch(TorchRolloutEngine, "_install", functools.wraps(install)(timed_install))
+    else:
+        notes.append("TorchRolloutEngine._install not found: weight_load is counted in weight_transfer")
+
+    class TimedLock:
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+            self._since = 0.0
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            ok = self._lock.acquire(blocking, timeout)
+            if ok:
+                self._since = time.monotonic()
+            return ok
+
+        def release(self) -> None:
+            since = self._since
+            self._lock.release()
+            intervals.append(("store", since, time.monotonic()))
+
+        def locked(self) -> bool:
+            return self._lock.locked()
+
+        def __enter__(self) -> bool:
+            return self.acquire()
+
+        def __exit__(self, *exc: Any) -> None:
+            self.release()
+
+    init = inprocess.InProcessStore.__init__
+
+    def timed_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if isinstance(getattr(self, "_lock", None), type(threading.Lock())):
+            self._lock = TimedLock()
+        else:
+            notes.append("InProcessStore._lock is not a plain lock: store time is not measured")
+
+    patch(inprocess.InProcessStore, "__init__", functools.wraps(init)(timed_init))
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(undo):
+            setattr(owner, name, value)
+
+
+# ------------------------------------------------------------------------------------------ the split
+
+def _union(ivs: list[tuple[float, float]]) -> float:
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in sorted(ivs):
+        if cur_b is None or a > cur_b:
+            if cur_b is not None:
+                total += cur_b - cur_a
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    return total + (cur_b - cur_a if cur_b is not None else 0.0)
+
+
+def split_window(intervals: list[tuple[str, float, float]], start: float, end: float) -> tuple[dict, dict]:
+    """(exclusive seconds per phase, summing to ``end - start``; busy seconds per phase) inside the window."""
+    clipped = [(kind, max(a, start), min(b, end)) for kind, a, b in intervals if min(b, end) > max(a, start)]
+    busy_ivs: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    events: list[tuple[float, int, str]] = []
+    for kind, a, b in clipped:
+        busy_ivs[_KIND_PHASE[kind]].append((a, b))
+        events.append((a, 1, kind))
+        events.append((b, -1, kind))
+    events.sort(key=lambda e: e[0])
+    exclusive = dict.fromkeys(PHASES, 0.0)
+    active: dict[str, int] = defaultdict(int)
+    prev = start
+    i = 0
+    while i < len(events):
+        t = events[i][0]
+        if t > prev:
+            live = [k for k, c in active.items() if c > 0]
+            phase = _KIND_PHASE[max(live, key=_PRIORITY.__getitem__)] if live else "idle"
+            exclusive[phase] += t - prev
+            prev = t
+        while i < len(events) and events[i][0] == t:
+            active[events[i][2]] += events[i][1]
+            i += 1
+    exclusive["idle"] += max(0.0, end - prev)
+    busy = dict.fromkeys(PHASES[:-1], 0.0)
+    for phase, ivs in busy_ivs.items():
+        inner = [iv for child in _NESTED.get(phase, ()) for iv in busy_ivs.get(child, [])]
+        # own time only: |own ∪ nested| - |nested| (train_ipc without the rank's command inside it, ...)
+        busy[phase] = max(0.0, _union(ivs + inner) - _union(inner)) if inner else _union(ivs)
+    return exclusive, busy
+
+
+def _intervals(timeline: Any, driver: list[tuple[str, float, float]], ranks: list[dict[str, Any]]) -> list:
+    out: list[tuple[str, float, float]] = []
+    for s in timeline.spans:
+        if s.name in _WAITING:
+            continue
+        out.append((_SPAN_KIND.get(s.name, "other"), s.start, s.end))
+    out.extend(driver)
+    for rec in ranks:
+        if rec["op"] == "train":
+            out.append(("train_forward", rec["start"], rec["end"]))
+            out.extend((name, a, b) for name, a, b in rec["parts"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ one size
+
+def _param_count(hf: dict[str, Any]) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**hf)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():  # tied tensors once
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def _config_data(size: str, total_steps: int, checkpoint_every: int, logprob_stages: bool) -> dict:
+    from asyncflow_core.config.loader import read_yaml
+
+    raw = read_yaml(EXAMPLE)
+    shape = SIZES[size]
+    if shape is not None:
+        raw["model"]["hf_config"] = dict(shape)
+    raw.setdefault("async", {})["mode"] = "one_step"
+    raw["rollout"]["name"] = "torch"
+    raw["trainer"]["name"] = "fsdp"
+    raw["trainer"].setdefault("options", {})["world_size"] = 1
+    raw["trainer"]["total_steps"] = total_steps
+    raw["trainer"]["checkpoint_every"] = checkpoint_every
+    raw["trainer"]["export_final"] = False
+    raw.setdefault("launcher", {})["name"] = "local"
+    if logprob_stages:
+        opts = raw.setdefault("algorithm", {}).setdefault("options", {})
+        opts["correction"] = "decoupled"
+        opts["kl_coef"] = 0.001
+    return raw
+
+
+def profile_size(size: str, *, steps: int, warmup: int, cooldown: int, checkpoint_every: int, logprob_stages: bool,
+                 out: Path, overrides: list[str]) -> dict[str, Any]:
+    """One run of ``size`` in this process; the profile of its measured steps."""
+    from asyncflow_core.config.loader import apply_overrides, load_config, resolve
+    from asyncflow_core.flow.launcher import launch
+    from asyncflow_core.flow.telemetry import load_metrics, observe_timelines
+    from asyncflow_core.launchers.ranks import use_rank_spawner
+
+    run_dir = out / size
+    probe_dir = run_dir / "probe"
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    for old in probe_dir.glob("*.jsonl"):
+        old.unlink()
+    raw = apply_overrides(_config_data(size, warmup + steps + cooldown, checkpoint_every, logprob_stages), overrides)
+    cfg = load_config(data=raw)
+    hf = dict(cfg.model.hf_config or {})
+    driver: list[tuple[str, float, float]] = []
+    notes: list[str] = []
+    t0 = time.perf_counter()
+    with _RssSampler() as rss, observe_timelines() as timelines, _driver_probes(driver, notes), \
+            use_rank_spawner(_probe_spawner(probe_dir)):
+        summary = launch(resolve(cfg), run_dir=run_dir)
+    wall = time.perf_counter() - t0
+    timeline = timelines[0]
+    ranks = [json.loads(line) for f in sorted(probe_dir.glob("rank*.jsonl")) for line in f.read_text().splitlines()]
+    intervals = _intervals(timeline, driver, ranks)
+    records = load_metrics(run_dir / "metrics.jsonl")
+    measured = records[warmup:warmup + steps]
+    if len(measured) < steps:
+        raise RuntimeError(f"the run logged {len(records)} steps, fewer than warm-up + measured ({warmup} + {steps})")
+    per_step = []
+    for r in measured:
+        end = timeline.t0 + r["time_s"]
+        start = end - r["step_seconds"]
+        exclusive, busy = split_window(intervals, start, end)
+        per_step.append({"step": r["step"], "step_s": r["step_seconds"], "samples": r["samples"],
+                         "phases_s": exclusive, "busy_s": busy})
+    n = len(per_step)
+    step_s = sum(s["step_s"] for s in per_step) / n
+    peak = {"driver": (_status_kb("self", "VmHWM") or 0) / 1024}
+    rank_pids = {rec["pid"]: rec["rank"] for rec in ranks}
+    for rec in ranks:
+        rss.peak_kb[rec["pid"]] = max(rss.peak_kb.get(rec["pid"], 0), rec.get("vmhwm_kb") or 0)
+    labels: dict[str, int] = defaultdict(int)
+    for pid, kb in sorted(rss.peak_kb.items()):
+        label = f"rank{rank_pids[pid]}" if pid in rank_pids else rss.label.get(pid, "child")
+        labels[label] += 1
+        key = label if labels[label] == 1 else f"{label}#{labels[label]}"
+        peak[key] = kb / 1024
+    rank_ops: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "seconds": 0.0, "recv_mb": 0.0})
+    for rec in ranks:
+        o = rank_ops[rec["op"]]
+        o["calls"] += 1
+        o["seconds"] += rec["end"] - rec["start"]
+        o["recv_mb"] += rec["recv_bytes"] / 2**20
+    return {
+        "size": size,
+        "params": _param_count(hf),
+        "hf_config": hf,
+        "steps_measured": n,
+        "warmup_steps": warmup,
+        "cooldown_steps": cooldown,
+        "checkpoint_every": checkpoint_every,
+        "logprob_stages": logprob_stages,
+        "step_s": step_s,
+        "samples_per_s": sum(s["samples"] for s in per_step) / sum(s["step_s"] for s in per_step),
+        "phases_s": {p: sum(s["phases_s"][p] for s in per_step) / n for p in PHASES},
+        "busy_s": {p: sum(s["busy_s"][p] for s in per_step) / n for p in PHASES[:-1]},
+        "steps": per_step,
+        "peak_rss_mb": peak,
+        "rank_ops": dict(rank_ops),
+        "utilisation": summary.get("utilisation"),
+        "wall_s": wall,
+        "notes": notes,
+        "run_dir": str(run_dir),
+    }
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def stacked_png(results: list[dict[str, Any]], path: Path) -> Path:
+    """One stacked bar per size: each phase's share of the step (exclusive split), seconds per step on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = plt.get_cmap("tab20").colors
+    fig, ax = plt.subplots(figsize=(8, 5))
+    x = range(len(results))
+    bottom = [0.0] * len(results)
+    for i, phase in enumerate(PHASES):
+        share = [r["phases_s"][phase] / r["step_s"] * 100 if r["step_s"] > 0 else 0.0 for r in results]
+        ax.bar(x, share, bottom=bottom, color="#dddddd" if phase == "idle" else colours[i % len(colours)],
+               label=phase, width=0.6)
+        bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+    for i, r in enumerate(results):
+        ax.text(i, 101, f'{r["step_s"]:.3g} s/step', ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [f'{r["size"]}\n({r["params"] / 1e6:.3g}M params)' for r in results])
+    ax.set_ylabel("% of a step (exclusive split)")
+    ax.set_ylim(0, 110)
+    ax.set_title("one one_step training step: where the wall time goes")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    head = ["size", "params", "s/step", "samples/s", *PHASES, "peak RSS MB"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in results:
+        rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items())
+        lines.append(" | ".join([r["size"], f'{r["params"] / 1e6:.3g}M', f'{r["step_s"]:.3f}',
+                                 f'{r["samples_per_s"]:.1f}', *(f'{r["phases_s"][p]:.3f}' for p in PHASES), rss]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="0.1M,10M,100M,0.5B", help=f"comma-separated, from {','.join(SIZES)}")
+    p.add_argument("--steps", type=int, default=3, help="measured steps per size (after the warm-up)")
+    p.add_argument("--warmup", type=int, default=1, help="steps run before the measured ones")
+    p.add_argument("--cooldown", type=int, default=1, help="steps run after the measured ones (not measured)")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="trainer.checkpoint_every (0: no checkpoints)")
+    p.add_argument("--logprob-stages", action="store_true", help="also run the old and ref log-prob stages")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "profile_step")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--png", type=Path, default=None, help="write the stacked-bar chart of the split here")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: profile one size in this process
+    p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every size")
+    a = p.parse_args(argv)
+    if a.steps < 1 or a.warmup < 0 or a.cooldown < 0 or a.checkpoint_every < 0:
+        p.error("--steps must be >= 1; --warmup, --cooldown and --checkpoint-every >= 0")
+    if a.one is not None:
+        res = profile_size(a.one, steps=a.steps, warmup=a.warmup, cooldown=a.cooldown,
+                           checkpoint_every=a.checkpoint_every,
+                           logprob_stages=a.logprob_stages, out=a.out, overrides=a.overrides)
+        print("PROFILE_RESULT " + json.dumps(res))
+        return 0
+    sizes = [s for s in a.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown or not sizes:
+        p.error(f"--sizes {a.sizes!r}: choose from {','.join(SIZES)} (comma-separated)")
+    results = []
+    for size in sizes:  # one process per size: its peak RSS and its rank group are its own
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", size, "--steps", str(a.steps),
+               "--warmup", str(a.warmup), "--cooldown", str(a.cooldown), "--checkpoint-every", str(a.checkpoint_every), "--out", str(a.out),
+               *(["--logprob-stages"] if a.logprob_stages else []), *a.overrides]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("PROFILE_RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+            print(f"profile of size {size} failed (exit {proc.returncode}): {tail[0]}", file=sys.stderr)
+            return 1
+        results.append(json.loads(line[len("PROFILE_RESULT "):]))
+    png = str(stacked_png(results, a.png)) if a.png is not None else None
+    if a.json:
+        print(json.dumps({"results": results, "phases": list(PHASES), "png": png,
+                          "argv": sys.argv[1:] if argv is None else argv}))
+        return 0
+    print(_table(results))
+    if png:
+        print(f"chart: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
