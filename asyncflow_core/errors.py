@@ -59,3 +59,25 @@ class EngineError(AsyncflowError):
 
 class StoreError(AsyncflowError):
     """Base class of streaming store errors (see ``asyncflow_core.store``)."""
+
+
+class EnvironmentFailure(AsyncflowError):
+    """An environment's episode failed: an exception, a step over its time limit, a broken worker.
+
+    The message is one line meant for the user (which call, which turn, the
+    exception's type and message). The runtime records it as the episode's
+    failure reason (``failed: <message>``) and the run goes on.
+    """
+
+    def __init__(self, reason: str, *, call: str = "", turn: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.call = call  #: ``open``, ``reset``, ``step``, ``close`` or ``""``
+        self.turn = turn  #: 0-based turn of the failing ``step`` (``None`` for open/reset/close)
+
+    def __reduce__(self):  # keep ``call``/``turn`` across processes
+        return (_rebuild_environment_failure, (self.reason, self.call, self.turn))
+
+
+def _rebuild_environment_failure(reason: str, call: str, turn: int | None) -> EnvironmentFailure:
+    return EnvironmentFailure(reason, call=call, turn=turn)

@@ -8,6 +8,15 @@ model and checked by the conformance suite (``asyncflow-spec``).
 
 from asyncflow_core.interfaces.algorithm import Algorithm, LossContext, OffPolicyCorrection
 from asyncflow_core.interfaces.dataset import Dataset
+from asyncflow_core.interfaces.environment import (
+    Action,
+    Environment,
+    EnvironmentFactory,
+    EnvironmentFeatures,
+    Observation,
+    Step,
+    ToolSpec,
+)
 from asyncflow_core.interfaces.features import (
     Features,
     RolloutFeatures,
@@ -24,15 +33,20 @@ from asyncflow_core.interfaces.train import TrainEngine
 from asyncflow_core.interfaces.transport import StagedVersion, TransferReport, WeightTransport, check_whole_version
 
 __all__ = [
+    "Action",
     "Algorithm",
     "BatchMeta",
     "Candidates",
     "Dataset",
+    "Environment",
+    "EnvironmentFactory",
+    "EnvironmentFeatures",
     "Features",
     "Health",
     "KVCachePolicy",
     "Launcher",
     "LossContext",
+    "Observation",
     "OffPolicyCorrection",
     "PauseMode",
     "Reward",
@@ -41,9 +55,11 @@ __all__ = [
     "SampleRequest",
     "Sampler",
     "StagedVersion",
+    "Step",
     "StoreFeatures",
     "StreamStore",
     "TrainEngine",
+    "ToolSpec",
     "TrainFeatures",
     "TransferReport",
     "TransportFeatures",

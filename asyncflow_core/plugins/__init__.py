@@ -17,6 +17,7 @@ from asyncflow_core.plugins.manager import (
 from asyncflow_core.plugins.types import (
     AlgorithmBackend,
     DatasetBackend,
+    EnvironmentBackend,
     LauncherBackend,
     StageBackend,
     NoOptions,
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncflowHookSpecs",
     "AsyncflowPluginManager",
     "DatasetBackend",
+    "EnvironmentBackend",
     "LauncherBackend",
     "StageBackend",
     "NoOptions",

@@ -18,6 +18,7 @@ import pluggy
 from asyncflow_core.plugins.types import (
     AlgorithmBackend,
     DatasetBackend,
+    EnvironmentBackend,
     LauncherBackend,
     RewardBackend,
     RolloutEngineBackend,
@@ -320,3 +321,52 @@ class AsyncflowHookSpecs:
                                    description="Drops samples whose response exceeds max_tokens.")
         """
 
+    @hookspec
+    def asyncflow_environments(self) -> Iterable[EnvironmentBackend]:
+        """Register environments: multi-turn episodes in which the policy acts, calls tools and reads results.
+
+        The factory receives the validated options and builds one fresh
+        :class:`~asyncflow_core.interfaces.Environment`; the runtime calls it once per
+        episode (``reset(record, seed=...)``, ``step(action)``, ``close()``).
+        The runtime runs each call under ``environment.step_timeout_s``, in the
+        event loop or, for ``features.blocking`` environments, in worker
+        processes (``environment.processes``); an exception ends that episode as
+        a recorded failure. Tools are written with
+        :func:`asyncflow_plugins.envs.tools.tool` and served by
+        :class:`asyncflow_plugins.envs.ToolEnvironment`.
+
+        Example::
+
+            from pydantic import BaseModel, ConfigDict, Field
+            from asyncflow_core.interfaces import Environment, EnvironmentFeatures, Observation, Step
+            from asyncflow_core.plugins import EnvironmentBackend, hookimpl
+
+            class GuessConfig(BaseModel):
+                model_config = ConfigDict(extra="forbid")
+                secret: int = Field(7, ge=0, le=9, description="The digit to guess.")
+
+            class Guess(Environment):
+                "The policy guesses a digit; each wrong guess is answered 'higher' or 'lower'."
+                features = EnvironmentFeatures(owns_reward=True)
+
+                def __init__(self, config: GuessConfig):
+                    self.secret = config.secret
+
+                async def reset(self, record, *, seed):
+                    return Observation(text="guess a digit:")
+
+                async def step(self, action):
+                    guess = action.text.strip()[:1]
+                    if guess == str(self.secret):
+                        return Step(None, reward=1.0, done=True, info={"turns": action.turn + 1})
+                    hint = "higher" if guess.isdigit() and int(guess) < self.secret else "lower"
+                    return Step(Observation(text=f" {hint}, again:"))
+
+            @hookimpl
+            def asyncflow_environments():
+                yield EnvironmentBackend(
+                    name="guess", factory=Guess, config_model=GuessConfig,
+                    description="Guess a digit with higher/lower feedback each turn.",
+                    features=EnvironmentFeatures(owns_reward=True),
+                )
+        """

@@ -30,8 +30,10 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
     "asyncflow_plugins.hf",
     "asyncflow_plugins.algorithms",
     "asyncflow_plugins.rewards",
+    "asyncflow_plugins.rewards_model",
     "asyncflow_plugins.datasets",
     "asyncflow_plugins.arithmetic",
+    "asyncflow_plugins.envs",
     "asyncflow_core.flow.launcher",
 )
 

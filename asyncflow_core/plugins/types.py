@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from asyncflow_core.errors import PluginError
+from asyncflow_core.interfaces.environment import EnvironmentFeatures
 from asyncflow_core.interfaces.features import (
     Features,
     RolloutFeatures,
@@ -38,6 +39,7 @@ class PluginKind(str, enum.Enum):
     DATASET = "dataset"
     LAUNCHER = "launcher"
     STAGE = "stage"
+    ENVIRONMENT = "environment"
 
     @property
     def hook_name(self) -> str:
@@ -162,6 +164,21 @@ class StageBackend(Registration):
     kind: ClassVar[PluginKind] = PluginKind.STAGE
 
 
+@dataclass(frozen=True)
+class EnvironmentBackend(Registration):
+    """Registers an environment (multi-turn episodes, tools).
+
+    ``factory(config)`` builds one fresh :class:`~asyncflow_core.interfaces.Environment`; the runtime calls it
+    once per episode (keep it cheap: cache what episodes share, acquire per-episode resources in ``reset``).
+    To run in worker processes (``environment.processes``), environments are built there from the plugin
+    name and options, so ``factory`` itself need not pickle. ``features`` are declared here so that
+    listings and the runtime know them without building an environment.
+    """
+
+    kind: ClassVar[PluginKind] = PluginKind.ENVIRONMENT
+    features: EnvironmentFeatures = field(default_factory=EnvironmentFeatures)
+
+
 RECORD_TYPES: dict[PluginKind, type[Registration]] = {
     PluginKind.ROLLOUT_ENGINE: RolloutEngineBackend,
     PluginKind.TRAIN_ENGINE: TrainEngineBackend,
@@ -173,6 +190,7 @@ RECORD_TYPES: dict[PluginKind, type[Registration]] = {
     PluginKind.DATASET: DatasetBackend,
     PluginKind.LAUNCHER: LauncherBackend,
     PluginKind.STAGE: StageBackend,
+    PluginKind.ENVIRONMENT: EnvironmentBackend,
 }
 
 

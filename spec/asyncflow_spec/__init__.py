@@ -15,6 +15,7 @@ from asyncflow_core.plugins import PluginKind
 from asyncflow_spec.algorithm import AlgorithmSpec
 from asyncflow_spec.base import BackendSpec, expect_unsupported, forbid, require, run
 from asyncflow_spec.dataset import DatasetSpec
+from asyncflow_spec.environment import EnvironmentSpec
 from asyncflow_spec.reward import RewardSpec
 from asyncflow_spec.rollout import RolloutEngineSpec
 from asyncflow_spec.stage import StageSpec
@@ -31,6 +32,7 @@ SPEC_CLASSES: dict[PluginKind, type[BackendSpec]] = {
     PluginKind.REWARD: RewardSpec,
     PluginKind.DATASET: DatasetSpec,
     PluginKind.STAGE: StageSpec,
+    PluginKind.ENVIRONMENT: EnvironmentSpec,
 }
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "AlgorithmSpec",
     "BackendSpec",
     "DatasetSpec",
+    "EnvironmentSpec",
     "RewardSpec",
     "RolloutEngineSpec",
     "StageSpec",

@@ -1,0 +1,533 @@
+"""Where environments run: one per episode, under a per-call time limit, in the event loop or in worker processes.
+
+:class:`EnvironmentPool` opens one environment per episode from the plugin's
+factory and hands back a :class:`PooledEnvironment`: the same
+``reset``/``step``/``close``/``tools``/``features`` as an
+:class:`~asyncflow_core.interfaces.Environment`, plus the seconds spent in
+each call. Every call runs under ``step_timeout_s``; every exception, time-out
+or broken worker becomes :class:`~asyncflow_core.errors.EnvironmentFailure`
+with a one-line reason naming the call and the turn, and ``close`` always
+runs (``async with pool.episode() as env``).
+
+``processes=0`` runs environments in the event loop (``asyncio.wait_for``):
+right for environments whose steps await. ``processes=N`` keeps each
+environment object in one of N worker processes (spawned, each running its
+own event loop) and proxies the calls over a pipe, so a tool that blocks or
+holds the GIL never stalls decoding in the rollout process. A call that times
+out there cannot be interrupted, so its worker is terminated and restarted:
+the other episodes living in that worker fail too, each with a reason that
+says so (recorded, never lost). ``workers`` bounds the episodes open at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncflow_core.errors import EnvironmentFailure
+from asyncflow_core.interfaces.environment import (
+    Action,
+    Environment,
+    EnvironmentFactory,
+    EnvironmentFeatures,
+    Observation,
+    Step,
+    ToolSpec,
+)
+
+#: worker processes used by default for an environment that declares ``features.blocking``
+DEFAULT_BLOCKING_PROCESSES = 2
+#: seconds a new worker process may take to start (interpreter, imports); not counted against a step
+WORKER_START_TIMEOUT_S = 120.0
+_READY = -1  #: request id of the message a worker sends once it is up
+
+
+@dataclass(frozen=True)
+class CallTiming:
+    """Seconds one environment call took, as the rollout process saw it (IPC included for workers)."""
+
+    call: str  #: open, reset, step or close
+    turn: int | None  #: the step's turn; None for the other calls
+    seconds: float
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _where(call: str, turn: int | None) -> str:
+    return f"{call} (turn {turn})" if turn is not None else call
+
+
+class PluginEnvironmentFactory:
+    """A registered environment's factory with its options bound, by plugin name: picklable, so workers rebuild it.
+
+    Each call builds one environment (``record.factory(validated options)``).
+    """
+
+    def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
+        self.name = name
+        self.options = dict(options or {})
+        self._bound: tuple[Any, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["name"], state["options"])  # type: ignore[misc]
+
+    def _record_and_options(self) -> tuple[Any, Any]:
+        if self._bound is None:
+            from asyncflow_core.plugins import PluginKind, get_plugin_manager
+
+            pm = get_plugin_manager()
+            record = pm.lookup(PluginKind.ENVIRONMENT, self.name).record
+            self._bound = (record, pm.validate_options(PluginKind.ENVIRONMENT, self.name, self.options))
+        return self._bound
+
+    @property
+    def features(self) -> EnvironmentFeatures:
+        """What an environment built with these options declares (options may turn ``blocking`` on).
+
+        Builds one environment without resetting it (environments acquire per-episode resources in
+        ``reset``); a factory that is async, or fails, leaves the registration's declaration.
+        """
+        record, options = self._record_and_options()
+        try:
+            env = record.factory(options)
+        except Exception:  # noqa: BLE001 - opening the first episode reports it with a reason
+            env = None
+        declared = getattr(env, "features", None) if isinstance(env, Environment) else None
+        if inspect.iscoroutine(env):
+            env.close()
+        return declared if isinstance(declared, EnvironmentFeatures) else record.features
+
+    def __call__(self) -> Any:
+        record, options = self._record_and_options()
+        return record.factory(options)
+
+
+async def _build(factory: EnvironmentFactory) -> Environment:
+    env = factory()
+    if inspect.isawaitable(env):
+        env = await env
+    if not isinstance(env, Environment):
+        raise TypeError(f"the environment factory returned {type(env).__name__}, not an Environment")
+    return env
+
+
+def _check_observation(value: Any, call: str) -> Observation:
+    if not isinstance(value, Observation):
+        raise TypeError(f"{call} returned {type(value).__name__}, not an Observation")
+    return value
+
+
+def _check_step(value: Any) -> Step:
+    if not isinstance(value, Step):
+        raise TypeError(f"step returned {type(value).__name__}, not a Step")
+    return value
+
+
+# -- worker processes ---------------------------------------------------------------------------------------
+
+
+def _worker_main(conn: Any, factory: EnvironmentFactory) -> None:
+    """A worker process: environments by id, each call run as a task on this process's own event loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    envs: dict[int, Environment] = {}
+    tasks: set[asyncio.Task[None]] = set()  # strong references until each call is answered
+    send_lock = threading.Lock()
+
+    def reply(req: int, ok: bool, value: Any) -> None:
+        with send_lock:
+            try:
+                conn.send((req, ok, value))
+            except Exception as exc:  # noqa: BLE001 - an unpicklable result is reported, not lost
+                conn.send((req, False, f"the result could not be sent back from the worker: {_one_line(exc)}"))
+
+    async def handle(req: int, op: str, env_id: int, payload: Any) -> None:
+        try:
+            if op == "open":
+                env = await _build(factory)
+                envs[env_id] = env
+                value: Any = (env.features, tuple(env.tools))
+            elif op == "reset":
+                record, seed = payload
+                value = _check_observation(await envs[env_id].reset(record, seed=seed), "reset")
+            elif op == "step":
+                value = _check_step(await envs[env_id].step(payload))
+            elif op == "close":
+                env = envs.pop(env_id, None)
+                value = await env.close() if env is not None else None
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except Exception as exc:  # noqa: BLE001 - every failure goes back as a reason
+            reply(req, False, _one_line(exc))
+        else:
+            reply(req, True, value)
+
+    def read() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            if msg is None:  # the parent's shutdown request, or its end of the pipe closed
+                loop.call_soon_threadsafe(loop.stop)
+                return
+            loop.call_soon_threadsafe(start, msg)
+
+    def start(msg: tuple[Any, ...]) -> None:
+        task = loop.create_task(handle(*msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    threading.Thread(target=read, name="env-worker-reader", daemon=True).start()
+    reply(_READY, True, None)
+    loop.run_forever()
+
+
+class _Worker:
+    """One worker process as the rollout process sees it: pending requests and the episodes living there."""
+
+    def __init__(self, index: int, factory: EnvironmentFactory, context: Any) -> None:
+        self.index = index
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child, factory), daemon=True,
+                                       name=f"asyncflow-env-worker-{index}")
+        self.process.start()
+        child.close()
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.episodes = 0  #: environments placed here and not closed yet
+        self.dead: str | None = None  #: why this worker is gone
+        self.ready: asyncio.Future[None] = self.loop.create_future()  #: resolved once the process is up
+        self._ids = itertools.count()
+        self._reader = threading.Thread(target=self._read, name=f"env-worker-{index}-replies", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                req, ok, value = self.conn.recv()
+            except (EOFError, OSError):
+                with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                    self.loop.call_soon_threadsafe(self._lost, "its worker process exited")
+                return
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._resolve, req, ok, value)
+
+    def _resolve(self, req: int, ok: bool, value: Any) -> None:
+        if req == _READY:
+            if not self.ready.done():
+                self.ready.set_result(None)
+            return
+        fut = self.pending.pop(req, None)
+        if fut is not None and not fut.done():
+            fut.set_result((ok, value))
+
+    def _lost(self, why: str) -> None:
+        if self.dead is None:
+            self.dead = why
+        if not self.ready.done():
+            self.ready.set_result(None)  # waiters then see ``dead``
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_result((False, self.dead))
+        self.pending.clear()
+
+    async def request(self, op: str, env_id: int, payload: Any = None) -> tuple[bool, Any]:
+        if self.dead is not None:
+            return False, self.dead
+        req = next(self._ids)
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        self.pending[req] = fut
+        try:
+            self.conn.send((req, op, env_id, payload))
+        except Exception as exc:  # noqa: BLE001 - an unpicklable record or action, or a closed pipe
+            self.pending.pop(req, None)
+            return False, f"the request could not be sent to the worker: {_one_line(exc)}"
+        return await fut
+
+    def _reap(self, grace: float) -> None:
+        """Wait ``grace`` seconds for the process to exit, then end it; touches only the process and pipe."""
+        self.process.join(grace)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+        self._reader.join(5)  # returns once the pipe reports EOF; only then is closing it safe
+        self.conn.close()
+
+    def kill(self, why: str) -> None:
+        """Terminate the process now; pending and later requests fail with ``why`` (event-loop thread)."""
+        self._lost(why)
+        self._reap(0)
+
+    async def stop(self) -> None:
+        """Ask the worker to exit, wait for it off the loop, and terminate it if it does not."""
+        if self.dead is None:
+            self._lost("the environment pool was closed")
+            with contextlib.suppress(OSError, ValueError):
+                self.conn.send(None)
+        await asyncio.to_thread(self._reap, 5)
+
+
+# -- the pool -------------------------------------------------------------------------------------------------
+
+
+class PooledEnvironment(Environment):
+    """One episode's environment as the pool runs it; raises only :class:`EnvironmentFailure`.
+
+    ``timings`` lists every call with its seconds; ``seconds`` is their sum
+    (the episode's environment time).
+    """
+
+    def __init__(self, pool: EnvironmentPool, features: EnvironmentFeatures, tools: Sequence[ToolSpec],
+                 *, env: Environment | None = None, worker: _Worker | None = None, env_id: int = 0) -> None:
+        self._pool = pool
+        self._features = features
+        self._tools = tuple(tools)
+        self._env = env
+        self._worker = worker
+        self._env_id = env_id
+        self.timings: list[CallTiming] = []
+        self.closed = False
+
+    @property
+    def features(self) -> EnvironmentFeatures:
+        return self._features
+
+    @property
+    def tools(self) -> Sequence[ToolSpec]:
+        return self._tools
+
+    @property
+    def seconds(self) -> float:
+        """Environment seconds of this episode so far (all calls)."""
+        return sum(t.seconds for t in self.timings)
+
+    async def reset(self, record: Mapping[str, Any], *, seed: int) -> Observation:
+        return await self._call("reset", None, (record, seed))
+
+    async def step(self, action: Action) -> Step:
+        return await self._call("step", action.turn, action)
+
+    async def close(self) -> None:
+        """Close the environment (once; later calls do nothing) and free its slot, even when closing fails."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            await self._call("close", None, None)
+        finally:
+            if self._worker is not None:
+                self._worker.episodes -= 1
+            self._pool._release()
+
+    async def _call(self, call: str, turn: int | None, payload: Any) -> Any:
+        if self.closed and call != "close":
+            raise EnvironmentFailure(f"environment {_where(call, turn)} after close", call=call, turn=turn)
+        start = time.perf_counter()
+        try:
+            if self._worker is None:
+                return await self._in_loop(call, turn, payload)
+            return await self._in_worker(call, turn, payload)
+        finally:
+            self.timings.append(CallTiming(call, turn, time.perf_counter() - start))
+
+    async def _in_loop(self, call: str, turn: int | None, payload: Any) -> Any:
+        assert self._env is not None
+        env = self._env
+        if call == "reset":
+            coro = env.reset(payload[0], seed=payload[1])
+        elif call == "step":
+            coro = env.step(payload)
+        else:
+            coro = env.close()
+        timeout = self._pool.step_timeout_s
+        try:
+            value = await asyncio.wait_for(coro, timeout)
+            if call == "step":
+                return _check_step(value)
+            return _check_observation(value, "reset") if call == "reset" else value
+        except asyncio.TimeoutError:
+            raise EnvironmentFailure(f"environment {_where(call, turn)} timed out after {timeout:g}s "
+                                     "(environment.step_timeout_s)", call=call, turn=turn) from None
+        except EnvironmentFailure as exc:
+            raise EnvironmentFailure(f"environment {_where(call, turn)} failed: {exc.reason}",
+                                     call=call, turn=turn) from None
+        except Exception as exc:  # noqa: BLE001 - the episode fails with a reason; the run goes on
+            raise EnvironmentFailure(f"environment {_where(call, turn)} failed: {_one_line(exc)}",
+                                     call=call, turn=turn) from None
+
+    async def _in_worker(self, call: str, turn: int | None, payload: Any) -> Any:
+        assert self._worker is not None
+        worker = self._worker
+        if call == "close" and worker.dead is not None:
+            return None  # the process is gone, and with it what the environment held
+        timeout = self._pool.step_timeout_s
+        try:
+            ok, value = await asyncio.wait_for(worker.request(call, self._env_id, payload), timeout)
+        except asyncio.TimeoutError:
+            why = (f"worker process {worker.index} was restarted after a {_where(call, turn)} of another episode "
+                   f"timed out after {timeout:g}s")
+            self._pool._retire(worker, why)
+            raise EnvironmentFailure(f"environment {_where(call, turn)} timed out after {timeout:g}s "
+                                     "(environment.step_timeout_s); its worker process was restarted",
+                                     call=call, turn=turn) from None
+        if not ok:
+            raise EnvironmentFailure(f"environment {_where(call, turn)} failed: {value}", call=call, turn=turn)
+        return value
+
+
+class EnvironmentPool:
+    """Opens one environment per episode and runs its calls (see the module docstring).
+
+    ``factory`` builds one environment per call. With ``processes > 0`` it is
+    pickled into each worker process: pass a :class:`PluginEnvironmentFactory`
+    (what :meth:`from_plugin` does) or another picklable callable.
+    """
+
+    def __init__(self, factory: EnvironmentFactory, *, step_timeout_s: float = 30.0, workers: int = 64,
+                 processes: int = 0, mp_context: str = "spawn") -> None:
+        if step_timeout_s <= 0 or workers < 1 or processes < 0:
+            raise ValueError("EnvironmentPool needs step_timeout_s > 0, workers >= 1 and processes >= 0")
+        self.factory = factory
+        self.step_timeout_s = step_timeout_s
+        self.workers = workers
+        self.processes = processes
+        self._context = multiprocessing.get_context(mp_context)
+        self._slots = asyncio.Semaphore(workers)
+        self._procs: list[_Worker | None] = [None] * processes
+        self._started = itertools.count()
+        self._env_ids = itertools.count()
+        self._closed = False
+        self._open = 0
+
+    @classmethod
+    def from_plugin(cls, name: str, options: Mapping[str, Any] | None = None, *, step_timeout_s: float = 30.0,
+                    workers: int = 64, processes: int | None = None) -> EnvironmentPool:
+        """A pool for a registered environment; ``processes=None``: 0, or a few when it declares blocking."""
+        factory = PluginEnvironmentFactory(name, options)
+        if processes is None:
+            processes = DEFAULT_BLOCKING_PROCESSES if factory.features.blocking else 0
+        return cls(factory, step_timeout_s=step_timeout_s, workers=workers, processes=processes)
+
+    @classmethod
+    def from_config(cls, config: Any) -> EnvironmentPool:
+        """A pool from a run config's ``environment`` section (:class:`~asyncflow_core.config.EnvironmentConfig`)."""
+        return cls.from_plugin(config.name, config.options, step_timeout_s=config.step_timeout_s,
+                               workers=config.workers, processes=config.processes)
+
+    @property
+    def in_flight(self) -> int:
+        """Episodes open now (at most ``workers``)."""
+        return self._open
+
+    def _release(self) -> None:
+        self._open -= 1
+        self._slots.release()
+
+    async def open(self) -> PooledEnvironment:
+        """Wait for a free slot (``workers``), build an environment; ``EnvironmentFailure`` if that fails.
+
+        The caller must ``close()`` what it gets; :meth:`episode` does it for you.
+        """
+        if self._closed:
+            raise EnvironmentFailure("the environment pool is closed", call="open")
+        await self._slots.acquire()
+        self._open += 1
+        start = time.perf_counter()
+        try:
+            env = await (self._open_in_worker() if self.processes else self._open_in_loop())
+        except BaseException:
+            self._release()
+            raise
+        env.timings.append(CallTiming("open", None, time.perf_counter() - start))
+        return env
+
+    async def _open_in_loop(self) -> PooledEnvironment:
+        try:
+            env = await asyncio.wait_for(_build(self.factory), self.step_timeout_s)
+            features, tools = env.features, tuple(env.tools)
+        except asyncio.TimeoutError:
+            raise EnvironmentFailure(f"environment open timed out after {self.step_timeout_s:g}s", call="open") \
+                from None
+        except Exception as exc:  # noqa: BLE001
+            raise EnvironmentFailure(f"environment open failed: {_one_line(exc)}", call="open") from None
+        return PooledEnvironment(self, features, tools, env=env)
+
+    async def _open_in_worker(self) -> PooledEnvironment:
+        worker = self._place()
+        env_id = next(self._env_ids)
+        worker.episodes += 1
+        pooled = PooledEnvironment(self, EnvironmentFeatures(), (), worker=worker, env_id=env_id)
+        try:
+            try:  # a cold start (interpreter, imports) is not the environment's time
+                await asyncio.wait_for(asyncio.shield(worker.ready), WORKER_START_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                self._retire(worker, "its worker process did not start")
+                raise EnvironmentFailure(f"environment open failed: worker process {worker.index} did not start "
+                                         f"within {WORKER_START_TIMEOUT_S:g}s", call="open") from None
+            features, tools = await pooled._in_worker("open", None, None)
+        except BaseException:
+            worker.episodes -= 1
+            raise
+        pooled._features, pooled._tools = features, tuple(tools)
+        return pooled
+
+    def _place(self) -> _Worker:
+        """The least loaded live worker, starting (or restarting) processes as needed."""
+        for i, w in enumerate(self._procs):
+            if w is None or w.dead is not None:
+                self._procs[i] = _Worker(next(self._started), self.factory, self._context)
+        live = [w for w in self._procs if w is not None]
+        return min(live, key=lambda w: w.episodes)
+
+    def _retire(self, worker: _Worker, why: str) -> None:
+        worker.kill(why)  # its slot in _procs is refilled by the next _place()
+
+    @contextlib.asynccontextmanager
+    async def episode(self) -> AsyncIterator[PooledEnvironment]:
+        """``async with pool.episode() as env:`` one environment, closed on the way out whatever happens.
+
+        A failure to close is raised as :class:`EnvironmentFailure` only when
+        the episode itself did not fail (the first failure is the reason).
+        """
+        env = await self.open()
+        try:
+            yield env
+        except BaseException:
+            with contextlib.suppress(EnvironmentFailure):
+                await env.close()
+            raise
+        await env.close()
+
+    async def close(self) -> None:
+        """Stop the worker processes (environments still open there are dropped with their process)."""
+        self._closed = True
+        for w in self._procs:
+            if w is not None:
+                await w.stop()
+        self._procs = [None] * self.processes
+
+    async def __aenter__(self) -> EnvironmentPool:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
