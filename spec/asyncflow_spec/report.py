@@ -98,7 +98,10 @@ class BackendReport(_Model):
             elif any(t.outcome in ("failed", "error") for t in tests):
                 out[flag] = "failed"
             elif any(t.outcome == "passed" for t in tests):
-                out[flag] = "verified" if value else "error-verified"
+                # off counts as "its documented error verified" only when a test asserted the refusal (marked
+                # ``forbid``); descriptive flags (an environment's ``blocking``) are verified either way
+                forbidden = any(t.features.get(flag) == "forbid" and t.outcome == "passed" for t in tests)
+                out[flag] = "error-verified" if (not value and forbidden) else "verified"
             else:
                 out[flag] = "declared" if value else "off"
         return out
