@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -128,22 +128,6 @@ class RowOutcomes:
             if reason is not None and (gid not in reasons or _RANK[reason.outcome] < _RANK[reasons[gid]]):
                 reasons[gid] = reason.outcome
         return reasons
-
-
-class ReasonTexts(Mapping[int, str]):
-    """A read-only view of :attr:`RowOutcomes.reasons` as one-line texts (``FlowContext.failed``)."""
-
-    def __init__(self, reasons: Mapping[int, RowReason]) -> None:
-        self._reasons = reasons
-
-    def __getitem__(self, row: int) -> str:
-        return str(self._reasons[int(row)])
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._reasons)
-
-    def __len__(self) -> int:
-        return len(self._reasons)
 
 
 def merge_outputs(batch: Batch, good: torch.Tensor, values: Mapping[str, Column],

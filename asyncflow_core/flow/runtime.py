@@ -7,18 +7,20 @@ jumps to the next timer so hours of simulated training take seconds.
 
 Config-time checks (each a :class:`ConfigError` saying what to change):
 k > 0 needs behavior log-probs and a declared off-policy correction; every
-column the algorithm needs must be produced by a stage; the store must hold
-the rows the bound lets be in flight.
+column a stage consumes, the algorithm's included, must be produced by a
+stage (:func:`~asyncflow_core.flow.pipeline.check_columns`); the store must
+hold the rows the bound lets be in flight. The stages are built by
+:mod:`asyncflow_core.flow.pipeline`, the roles declared by
+:mod:`asyncflow_core.flow.roles`, the run supervised by
+:mod:`asyncflow_core.flow.supervision`, and reported by
+:mod:`asyncflow_core.flow.run_report`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,31 +29,28 @@ import yaml
 from asyncflow_core import columns as C
 from asyncflow_core.config.loader import ResolvedConfig
 from asyncflow_core.config.redact import default_redactor, install_log_redaction, redact_config
-from asyncflow_core.errors import ConfigError, EngineError, UnsupportedFeatureError
+from asyncflow_core.errors import ConfigError, EngineError
 from asyncflow_core.flow.canary import Canary
 from asyncflow_core.flow.checkpoint import Checkpointer, CheckpointState, latest_checkpoint
 from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.ledger import Ledger
+from asyncflow_core.flow.pipeline import PipelinePlan
+from asyncflow_core.flow.roles import RoleSpec, Roles, run_roles
+from asyncflow_core.flow.run_report import StepLogger, run_summary, scalar_sinks, steady_rate, write_run_files
 from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage
-from asyncflow_core.flow.stages import (
-    AdvantageStage,
-    LogprobStage,
-    PromptFeeder,
-    RewardStage,
-    RolloutStage,
-    TrainStage,
-)
-from asyncflow_core.flow.telemetry import MetricsWriter, Timeline, gantt_png, reward_png
+from asyncflow_core.flow.stages import RolloutStage
+from asyncflow_core.flow.supervision import supervise, teardown
+from asyncflow_core.flow.telemetry import MetricsWriter, Timeline
 from asyncflow_core.flow.tokenizer import make_tokenizer, stop_token_ids, with_dataset_end
-from asyncflow_core.interfaces import KVCachePolicy, OffPolicyCorrection
+from asyncflow_core.interfaces import OffPolicyCorrection
 from asyncflow_core.plugins import get_plugin_manager
-from asyncflow_core.types import Batch, SamplingParams
+from asyncflow_core.types import SamplingParams
 
 log = logging.getLogger("asyncflow.flow")
 
-#: columns the built-in stages produce
-_PRODUCED = {C.PROMPT_IDS, C.GROUP_ID, C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.TRUNCATED, C.REWARD,
-             C.ADVANTAGES}
+__all__ = ["FlowRuntime", "Roles", "check_off_policy", "run_flow"]
+
+_steady_rate = steady_rate  # the name tests and benchmarks import
 
 
 def check_off_policy(k: int, algorithm: Any) -> None:
@@ -68,30 +67,6 @@ def check_off_policy(k: int, algorithm: Any) -> None:
             f"async.max_staleness={k} needs behavior log-probs in the loss, but the algorithm does not read "
             f"{C.BEHAVIOR_LOGPROBS!r}; use an algorithm with an off-policy correction or async.mode: sync"
         )
-
-
-class Roles:
-    """Where a run's components are built, and how the loss of one is reported.
-
-    The ``local`` launcher uses this class itself: every component is built
-    here, in this process, by its plugin's factory, and nothing can be lost
-    out from under the run. Other launchers subclass it (the ``ray`` launcher
-    builds engines and rewards as actors behind proxies with the same
-    interfaces), so the runtime and the stages stay the same under every
-    launcher.
-    """
-
-    def __init__(self) -> None:
-        #: the run's counters (the runtime uses this very Counter): launcher events land in metrics and summary
-        self.counters: Counter[str] = Counter()
-
-    def build(self, section: str, factory: Any, options: Any, *, role: str, index: int = 0) -> Any:
-        """The component of config section ``section`` (``role``: trainer or ref; ``index``: the replica)."""
-        return factory(options)
-
-    async def lost(self) -> None:
-        """Raises when a role the run cannot go on without is gone; local roles never are."""
-        await asyncio.Event().wait()
 
 
 class FlowRuntime:
@@ -111,9 +86,25 @@ class FlowRuntime:
         self.pm = get_plugin_manager()
         self.summary: dict[str, Any] = {}
         self.ctx: FlowContext | None = None
+        self._plan: PipelinePlan | None = None
+
+    def plan(self) -> PipelinePlan:
+        """The algorithm (built once) and the plugin stages, and so which built-in stages and roles the run needs."""
+        if self._plan is None:
+            cfg = self.config
+            algorithm = self._create("algorithm")
+            check_off_policy(cfg.async_.k, algorithm)
+            reward_stage = self._plugin_stage("pipeline.replace.reward") if "reward" in cfg.pipeline.replace else None
+            plugins = [self._plugin_stage(f"pipeline.stages[{i}]") for i in range(len(cfg.pipeline.stages))]
+            self._plan = PipelinePlan(cfg, algorithm, plugins, reward_stage)
+        return self._plan
+
+    def role_specs(self) -> tuple[RoleSpec, ...]:
+        """The run's roles as records (flow/roles.py): what a launcher places before the run starts."""
+        return run_roles(self.config, needs_ref=self.plan().needs_ref)
 
     async def _restore(self, resume_from: tuple[Path, CheckpointState], trainer: Any, ctx: FlowContext,
-                       step_log: _StepLogger, rollout: RolloutStage, transport: Any) -> None:
+                       step_log: StepLogger, rollout: RolloutStage, transport: Any) -> None:
         """Load the trainer's checkpoint and the sample accounting, then give every replica the restored weights."""
         path, state = resume_from
         await trainer.load(path / "trainer")
@@ -148,7 +139,7 @@ class FlowRuntime:
                 try:
                     await rollout.load_weights(r, min_version=report.version)
                 except Exception as exc:  # noqa: BLE001 - see above
-                    if isinstance(exc, EngineError) and callable(getattr(r.engine, "restart", None)):
+                    if isinstance(exc, EngineError) and rollout.pool.restartable(r):
                         # a replaceable replica (a launcher's remote one) died here: the rollout stage restarts it
                         # and loads these weights into the new one before it generates anything
                         await rollout.replica_died(r, exc)
@@ -222,16 +213,8 @@ class FlowRuntime:
         clock = loop.time
         k = cfg.async_.k
         B, n = cfg.data.prompts_per_step, cfg.rollout.n
-        algorithm = self._create("algorithm")
-        check_off_policy(k, algorithm)
-        needs_old = C.OLD_LOGPROBS in algorithm.required_columns
-        needs_ref = C.REF_LOGPROBS in algorithm.required_columns
-        needs_values = C.VALUES in algorithm.required_columns
-        produced = set(_PRODUCED) | ({C.OLD_LOGPROBS} if needs_old else set()) | ({C.REF_LOGPROBS} if needs_ref else set())
-        produced |= {C.VALUES} if needs_values else set()
-        missing = [c for c in algorithm.required_columns if c not in produced]
-        if missing:
-            raise ConfigError(f"algorithm {cfg.algorithm.name!r} needs columns no stage produces: {missing}")
+        plan = self.plan()
+        self.roles.declare(self.role_specs())
         if cfg.trainer.checkpoint_every and self.run_dir is None:
             raise ConfigError("trainer.checkpoint_every needs a run directory to write checkpoints into")
         resume_from = latest_checkpoint(self.run_dir) if self.resume else None
@@ -267,81 +250,34 @@ class FlowRuntime:
         store = self._create("store", clock=clock, group_size=n)
         transport = self._create("weight_transport")
         trainer = self._create("trainer")
-        if needs_values and not trainer.features.supports_values:
+        if plan.needs_values and not trainer.features.supports_values:
             raise ConfigError(
                 f"algorithm {cfg.algorithm.name!r} reads value estimates, but trainer {cfg.trainer.name!r} has no "
                 "value head; enable one in trainer.options (fsdp: value_head: true) or pick a critic-free algorithm"
             )
         replicas = [self._create("rollout", index=i, **self._replica_options(i)) for i in range(cfg.rollout.replicas)]
         reward = self._create("reward")
-        ref_engine = self._create("trainer", role="ref") if needs_ref else None
+        ref_engine = self._create("trainer", role="ref") if plan.needs_ref else None
 
         timeline = Timeline(clock)
         ctx = FlowContext(store=store, timeline=timeline, ledger=Ledger(), k=k, prompts_per_step=B, n=n, clock=clock,
                           stale_policy=cfg.async_.stale_policy.value,
-                          max_failure_rate=cfg.pipeline.max_failure_rate)
+                          max_failure_rate=cfg.pipeline.max_failure_rate, lease_s=cfg.pipeline.lease_s,
+                          counters=self.roles.counters)  # one set of counters: the launcher's events land there too
         self.ctx = ctx  #: the live run's shared state (version, ledger, counters), for launchers and tests
-        ctx.counters = self.roles.counters  # one set of counters: the launcher's events land in the metrics too
         metrics = MetricsWriter(self.run_dir / "metrics.jsonl" if self.run_dir else None, append=self.resume)
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                   stop_token_ids=stop_token_ids(cfg.model, tokenizer))
-        colocated = bool(cfg.async_.colocated)
-        rollout = RolloutStage(
-            replicas, transport, sampling, max_inflight=cfg.rollout.max_inflight,
-            rows_per_lease=cfg.rollout.rows_per_lease, lease_s=cfg.pipeline.lease_s,
-            write_interval_s=cfg.pipeline.write_interval_s, deadline_s=cfg.weight_transport.deadline_s,
-            kv_cache=KVCachePolicy(cfg.rollout.kv_cache),
-        )
-        stages: list[Stage] = [
-            PromptFeeder(dataset, tokenizer, epochs=cfg.data.epochs, shuffle=cfg.data.shuffle, seed=cfg.seed,
-                         max_prompts=cfg.trainer.total_steps * B),
-            rollout,
-            RewardStage(reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s),
-        ]
-        stages[2].batch_size = cfg.pipeline.reward_batch
-        stages[2].reward_name = cfg.reward.name
-        if "reward" in cfg.pipeline.replace:
-            stages[2] = self._plugin_stage("pipeline.replace.reward")
-            if C.REWARD not in stages[2].produces:
-                raise ConfigError(f"pipeline.replace.reward: stage {stages[2].name!r} must produce the 'reward' column")
-        extra = [self._plugin_stage(f"pipeline.stages[{i}]") for i in range(len(cfg.pipeline.stages))]
-        names = [st.name for st in stages + extra]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"stage names must be unique (they are store task names); got {names}")
-        available = set(_PRODUCED)
-        for st in extra:
-            missing_in = [c for c in st.consumes if c not in available | {c2 for o in extra for c2 in o.produces}]
-            if missing_in:
-                raise ConfigError(f"stage {st.name!r} consumes {missing_in}, which no stage produces")
-            produced |= set(st.produces)
-        stages.extend(extra)
-        if needs_ref:
-            stages.append(LogprobStage("ref", C.REF_LOGPROBS, ref_engine, batch_size=cfg.pipeline.logprob_batch))
-        if needs_old or needs_values:
-            # one forward pass gives the proximal log-probs and the value estimates before the step
-            trainer_lock = asyncio.Lock()
-            stages.append(LogprobStage("old", C.OLD_LOGPROBS if needs_old else None, trainer,
-                                       batch_size=cfg.pipeline.logprob_batch, values=needs_values, lock=trainer_lock))
-        adv_inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
-        adv_inputs += [c for st in extra for c in st.produces]  # every added stage sees a sample first
-        # a lease takes every whole group that is ready, up to one step's worth (partial: it never waits for
-        # more): one store round trip per batch of groups, which an actor-backed store (ray) pays per call
-        stages.append(AdvantageStage(algorithm, adv_inputs, n=n, groups_per_lease=B))
-        step_log = _StepLogger(ctx, metrics, self.progress, cfg.trainer.total_steps, sinks=_sinks(cfg, self.run_dir))
-        train = TrainStage(
-            trainer, algorithm, transport, rollout, consumes=adv_inputs, total_steps=cfg.trainer.total_steps,
-            bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20)), deadline_s=cfg.weight_transport.deadline_s,
-            colocated=colocated,
-        )
-        train.sampler = cfg.sampler.name
-        if needs_old or needs_values:
-            train.engine_lock = trainer_lock
-        stages.append(train)
+        pipe = plan.build(dataset=dataset, tokenizer=tokenizer, replicas=replicas, transport=transport,
+                          sampling=sampling, reward=reward, trainer=trainer, ref_engine=ref_engine,
+                          canary=lambda rollout, lock: self._canary(rollout, trainer, lock, sampling, ctx))
+        stages, rollout, train = pipe.stages, pipe.rollout, pipe.train
+        step_log = StepLogger(ctx, metrics, self.progress, cfg.trainer.total_steps,
+                              sinks=scalar_sinks(cfg, self.run_dir), reward_stage=stages[2])
         # VersionPublished subscribers after the context's wake-up (weight sync), in this order (flow/events.py)
-        canary = self._canary(rollout, trainer, train.engine_lock, sampling, ctx)
+        canary = train.canary
         if canary is not None:
-            train.canary = canary
             step_log.extras.append(canary.take_metrics)
             ctx.events.subscribe(VersionPublished, canary.published, name="canary")
         ctx.events.subscribe(VersionPublished, step_log.on_step, name="metrics")
@@ -349,15 +285,10 @@ class FlowRuntime:
             assert self.run_dir is not None
             ckpt = Checkpointer(self.run_dir, trainer, ctx.ledger, data_print, lambda: step_log.tokens,
                                 every=cfg.trainer.checkpoint_every, total_steps=cfg.trainer.total_steps,
-                                keep=cfg.trainer.keep_checkpoints, lock=train.engine_lock, timeline=timeline)
+                                keep=cfg.trainer.keep_checkpoints, lock=pipe.trainer_lock, timeline=timeline)
             ctx.events.subscribe(VersionPublished, ckpt.on_version_published, name="checkpoint")
 
-        wall0 = time.perf_counter()
-        sim0 = clock()
-        interrupted = False
-        error: BaseException | None = None
-        tasks: dict[asyncio.Future, Stage | None] = {}
-        try:
+        async def start() -> None:
             await trainer.setup()
             if ref_engine is not None:
                 await ref_engine.setup()
@@ -365,7 +296,6 @@ class FlowRuntime:
                 await r.start()
             for st in stages:
                 st.bind(ctx)
-                st.lease_s = cfg.pipeline.lease_s
                 await store.register_task(st.name, consumes=st.consumes, produces=st.produces)
             for st in stages:
                 await st.setup()
@@ -375,84 +305,22 @@ class FlowRuntime:
                 # real models: every replica starts from the trainer's weights, whatever seeds each side was given
                 await self._push_weights(trainer, ctx, rollout, transport)
             step_log.started()  # step 1's width starts now, not before the engines' start-up
-            tasks.update({asyncio.ensure_future(st.run()): st for st in stages})
-            stop_task = asyncio.ensure_future(ctx.stop.wait())
-            tasks[stop_task] = None
-            tasks[asyncio.ensure_future(self.roles.lost())] = None  # raises when a role the run needs is gone
-            pending = set(tasks)
-            while pending and not ctx.stop.is_set():
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    if t is stop_task or t.cancelled():
-                        continue
-                    exc = t.exception()
-                    if exc is not None:
-                        raise exc
-                if not any(tasks[t] is not None for t in pending):
-                    break
-        except (KeyboardInterrupt, asyncio.CancelledError):
-            interrupted = True
-            ctx.halt("interrupted")
-        except BaseException as exc:  # noqa: BLE001 - reported after the telemetry is written
-            error = exc
-            ctx.halt(f"{type(exc).__name__}: {exc}")
-        finally:
-            # stop every stage before closing what they use, and collect their exceptions (none left unretrieved)
-            for t in tasks:
-                t.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
-            if canary is not None:
-                await canary.close()
-            rollout.close_spans()
-            step_log.close()
-            await _quietly(store.close())
-            await _quietly(transport.close())
-            for r in replicas:
-                await _quietly(r.shutdown())
-            if asyncio.iscoroutinefunction(getattr(reward, "shutdown", None)):  # a remote reward pool
-                await _quietly(reward.shutdown())
-            if cfg.trainer.export_final and self.run_dir is not None and error is None and not interrupted \
-                    and trainer.version > 0:
-                try:
-                    await trainer.export_pretrained(self.run_dir / "final_model")
-                except UnsupportedFeatureError:
-                    pass
-                except Exception as exc:  # noqa: BLE001 - the run's results are already safe
-                    log.warning("final export failed: %s: %s", type(exc).__name__, exc)
-            await _quietly(trainer.shutdown())
-            if ref_engine is not None:
-                await _quietly(ref_engine.shutdown())
-            metrics.close()
+
+        async def stop(clean: bool) -> None:
+            await teardown(cfg, ctx, canary=canary, rollout=rollout, step_log=step_log, store=store,
+                           transport=transport, replicas=replicas, reward=reward, trainer=trainer,
+                           ref_engine=ref_engine, metrics=metrics, run_dir=self.run_dir, export=clean)
+
+        wall0 = time.perf_counter()
+        sim0 = clock()
+        interrupted, error = await supervise(ctx, stages, start=start, stop=stop, lost=self.roles.lost)
         sim_s = clock() - sim0
-        wall_s = time.perf_counter() - wall0
-        trained_samples = len(ctx.ledger.trained) * n
-        self.summary = {
-            "steps": int(trainer.version),
-            "stop_reason": ctx.stop_reason,
-            "run_seconds": sim_s,
-            "wall_seconds": wall_s,
-            "samples_trained": trained_samples,
-            "samples_per_s": trained_samples / sim_s if sim_s > 0 else 0.0,
-            "steady_samples_per_s": _steady_rate(step_log.step_ends),
-            "step_end_s": [round(t - sim0, 6) for t, _ in step_log.step_ends],
-            "tokens_trained": step_log.tokens,
-            "staleness_histogram": {str(k_): v for k_, v in sorted(train.staleness_hist.items())},
-            "max_staleness": k,
-            "ledger": ctx.ledger.summary(),
-            "counters": {k_: int(v) for k_, v in sorted(ctx.counters.items())},
-            "utilisation": timeline.utilisation(sim0, sim0 + sim_s),
-        }
-        self.summary = default_redactor().value(self.summary)  # a stop reason may quote a secret
+        self.summary = run_summary(ctx, steps=trainer.version, sim0=sim0, sim_s=sim_s,
+                                   wall_s=time.perf_counter() - wall0, step_log=step_log,
+                                   staleness_hist=train.staleness_hist, k=k)
         if self.run_dir is not None:
-            timeline.write(self.run_dir)
-            (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
-            if self.write_png and (self.run_dir / "metrics.jsonl").exists():
-                reward_png(self.run_dir / "metrics.jsonl", self.run_dir / "reward.png", title=f"{cfg.name}: mean reward")
-            if self.write_png:
-                gantt_png(timeline.spans and [s.__class__(s.lane, s.name, s.start - timeline.t0, s.end - timeline.t0)
-                                              for s in timeline.spans] or [], self.run_dir / "timeline.png",
-                          title=f"{cfg.name}: {cfg.async_.mode.value} k={k}")
+            write_run_files(self.run_dir, self.summary, timeline, write_png=self.write_png, name=cfg.name,
+                            title=f"{cfg.name}: {cfg.async_.mode.value} k={k}")
         if interrupted:
             raise KeyboardInterrupt
         if error is not None:
@@ -462,142 +330,12 @@ class FlowRuntime:
         return self.summary
 
 
-def _reward_extras(ctx: FlowContext, batch: Batch) -> dict[str, float]:
-    """Means over the step's rows of the extra values a reward returned (e.g. ``correct`` beside a shaped reward)."""
-    if not ctx.reward_extra or batch.row_ids is None:
-        return {}
-    sums: Counter[str] = Counter()
-    counts: Counter[str] = Counter()
-    for row in batch.row_ids.tolist():
-        for key, v in ctx.reward_extra.pop(int(row), {}).items():
-            sums[key] += v
-            counts[key] += 1
-    return {key: sums[key] / counts[key] for key in sorted(sums)}
-
-
-def _steady_rate(step_ends: list[tuple[float, int]]) -> float | None:
-    """Samples/s from the end of the first step to the end of the last: throughput without the pipeline fill.
-
-    A pipelined run spends its first step filling the pipeline (nothing to
-    train until the first batch is generated); a long run amortises that to
-    nothing, so this is the figure a long run sees. None with fewer than two steps.
-    """
-    if len(step_ends) < 2 or step_ends[-1][0] <= step_ends[0][0]:
-        return None
-    return sum(n for _, n in step_ends[1:]) / (step_ends[-1][0] - step_ends[0][0])
-
-
 async def _restore_ledger(ctx: FlowContext, state: CheckpointState) -> None:
     led = ctx.ledger
     led.trained = set(state.trained)
     led.dropped = dict(state.dropped)
     led.admitted = len(led.trained) + len(led.dropped)
     led.counters.update(state.counters)
-
-
-async def _quietly(coro: Any) -> None:
-    try:
-        await coro
-    except Exception as exc:  # noqa: BLE001 - teardown must reach every component
-        log.warning("teardown: %s: %s", type(exc).__name__, exc)
-
-
-class _StepLogger:
-    """Per-step metrics (JSONL) and the live progress display."""
-
-    def __init__(self, ctx: FlowContext, writer: MetricsWriter, progress: bool, total: int,
-                 sinks: list[Any] | None = None) -> None:
-        self.ctx = ctx
-        self.sinks = sinks or []
-        self.writer = writer
-        self.tokens = 0
-        self.total = total
-        self.step_ends: list[tuple[float, int]] = []  #: (clock at the end of each step, samples it trained)
-        self.extras: list[Any] = []  #: callables returning more figures for the step's record (the canary's)
-        self._last_end = ctx.clock()
-        self._last_counters: Counter[str] = Counter()
-        self._progress = None
-        self._task = None
-        if progress:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-            self._progress.start()
-            self._task = self._progress.add_task("steps", total=total, info="")
-
-    def started(self) -> None:
-        self._last_end = self.ctx.clock()
-
-    async def on_step(self, event: VersionPublished) -> None:
-        """The step's metrics record (a ``VersionPublished`` subscriber)."""
-        ctx = self.ctx
-        version, batch, metrics, report, lag = event.step, event.batch, event.metrics, event.report, event.lag
-        now = ctx.clock()
-        resp = batch[C.RESPONSE_IDS]
-        prompt = batch[C.PROMPT_IDS]
-        tokens = int(resp.numel_packed + prompt.numel_packed)  # type: ignore[union-attr]
-        self.tokens += tokens
-        width = now - self._last_end
-        counters = Counter({k: v for k, v in ctx.counters.items()})
-        counters.update(ctx.ledger.counters)
-        delta = {k: int(v - self._last_counters.get(k, 0)) for k, v in counters.items() if v != self._last_counters.get(k, 0)}
-        self._last_counters = counters
-        hist = Counter(lag.tolist())
-        extra = _reward_extras(ctx, batch)
-        util = ctx.timeline.utilisation(self._last_end, now)
-        record = {
-            "step": version + 1,
-            "time_s": now - ctx.timeline.t0,
-            "step_seconds": width,
-            "reward_mean": float(batch[C.REWARD].float().mean()),
-            **{f"reward/{k}": v for k, v in extra.items()},
-            "samples": batch.num_rows,
-            "tokens": tokens,
-            "tokens_per_s": tokens / width if width > 0 else 0.0,
-            "staleness_histogram": {str(k): v for k, v in sorted(hist.items())},
-            "weight_sync_s": report.seconds,
-            "weight_bytes": report.bytes,
-            "events": delta,
-            "utilisation": {k: round(v, 4) for k, v in sorted(util.items())},
-            **{f"train/{k}": float(v) for k, v in metrics.items()},
-            **{k: v for extra_fn in self.extras for k, v in extra_fn().items()},
-        }
-        self.writer.write(record)
-        self.step_ends.append((now, batch.num_rows))
-        scalars = {k: float(v) for k, v in record.items() if isinstance(v, (int, float))}
-        for sink in self.sinks:
-            sink(version + 1, scalars)
-        self._last_end = now
-        if self._progress is not None:
-            self._progress.update(self._task, completed=version + 1,
-                                  info=f"reward {record['reward_mean']:.3f}  {record['tokens_per_s']:.0f} tok/s")
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-
-def _sinks(cfg: Any, run_dir: Path | None) -> list[Any]:
-    """Optional scalar sinks: TensorBoard event files and W&B, each only when asked for and installed."""
-    sinks: list[Any] = []
-    if cfg.logging.tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as exc:
-            raise ConfigError("logging.tensorboard needs the tensorboard package: pip install tensorboard") from exc
-        writer = SummaryWriter(str((run_dir or Path(".")) / "tensorboard"))
-        sinks.append(lambda step, scalars: [writer.add_scalar(k, v, step) for k, v in scalars.items()])
-    if cfg.logging.wandb_project:
-        try:
-            import wandb  # type: ignore[import-not-found]
-        except ImportError as exc:
-            raise ConfigError("logging.wandb_project needs wandb: pip install wandb") from exc
-        wandb.init(project=cfg.logging.wandb_project, name=cfg.name,
-                   config=redact_config(cfg.model_dump(mode="json", by_alias=True)))
-        sinks.append(lambda step, scalars: wandb.log(scalars, step=step))
-    return sinks
 
 
 def run_flow(resolved: ResolvedConfig, *, virtual: bool = False, run_dir: Path | None = None,

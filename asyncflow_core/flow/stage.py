@@ -29,7 +29,7 @@ from asyncflow_core import columns as C
 from asyncflow_core.errors import AsyncflowError
 from asyncflow_core.flow.events import Events, VersionPublished
 from asyncflow_core.flow.ledger import Ledger
-from asyncflow_core.flow.outcomes import ReasonTexts, RowOutcomes, merge_outputs
+from asyncflow_core.flow.outcomes import RowOutcomes, merge_outputs
 from asyncflow_core.flow.telemetry import Timeline
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
 from asyncflow_core.types import Batch, Column, RaggedTensor
@@ -37,29 +37,9 @@ from asyncflow_core.types import Batch, Column, RaggedTensor
 log = logging.getLogger("asyncflow.flow")
 
 
-#: Kind and dtype of the standard columns (asyncflow_core/columns.py), for :meth:`Stage.placeholder`.
-STANDARD_COLUMN_TYPES: dict[str, tuple[str, torch.dtype]] = {
-    C.PROMPT_IDS: ("ragged", torch.int64),
-    C.RESPONSE_IDS: ("ragged", torch.int64),
-    C.BEHAVIOR_LOGPROBS: ("ragged", torch.float32),
-    C.RESPONSE_VERSIONS: ("ragged", torch.int64),
-    C.OLD_LOGPROBS: ("ragged", torch.float32),
-    C.REF_LOGPROBS: ("ragged", torch.float32),
-    C.VALUES: ("ragged", torch.float32),
-    C.REWARD: ("dense", torch.float32),
-    C.ADVANTAGES: ("ragged", torch.float32),
-    C.RETURNS: ("ragged", torch.float32),
-    C.GROUP_ID: ("dense", torch.int64),
-    C.LOGPROBS: ("ragged", torch.float32),
-    C.FILTERED: ("dense", torch.bool),
-    C.TRUNCATED: ("dense", torch.bool),
-    C.VALUE_PREDS: ("ragged", torch.float32),
-    C.LOSS_MASK: ("ragged", torch.bool),
-}
-
-#: Ragged standard columns with one value per response token (their offsets are the response's).
-PER_RESPONSE_TOKEN = frozenset({C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.OLD_LOGPROBS, C.REF_LOGPROBS, C.VALUES,
-                                 C.ADVANTAGES, C.RETURNS, C.LOGPROBS, C.VALUE_PREDS, C.LOSS_MASK})
+#: Kind and dtype of the standard columns, and those with one value per response token (asyncflow_core/columns.py)
+STANDARD_COLUMN_TYPES = C.STANDARD_COLUMN_TYPES
+PER_RESPONSE_TOKEN = C.PER_RESPONSE_TOKEN
 _RESPONSE_IDS = C.RESPONSE_IDS
 
 
@@ -82,12 +62,12 @@ class FlowContext:
     clock: Callable[[], float]
     stale_policy: str = "requeue"  #: requeue | drop
     max_failure_rate: float = 0.2
+    lease_s: float | None = None  #: lease on rows a stage holds when the stage sets none (None: the store's default)
     min_samples_for_rate: int = 32
     version: int = 0  #: trainer version (published weights)
     published: int = 0  #: newest version staged in the weight transport
     counters: Counter[str] = field(default_factory=Counter)
     processed: Counter[str] = field(default_factory=Counter)  #: rows processed per stage
-    reward_extra: dict[int, dict[str, float]] = field(default_factory=dict)  #: row id -> a reward's extra values
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     stop_reason: str | None = None
     listeners: list[asyncio.Event] = field(default_factory=list)  #: also set on every notify and on halt
@@ -99,11 +79,6 @@ class FlowContext:
     def __post_init__(self) -> None:
         self.outcomes = RowOutcomes(lambda: self.counters)
         self.events.subscribe(VersionPublished, lambda _: self.notify(), name="context")  # always first
-
-    @property
-    def failed(self) -> Mapping[int, str]:
-        """Row id -> one-line reason of every settled row (``stale``, ``filtered:<stage>``, ``<stage>: <error>``)."""
-        return ReasonTexts(self.outcomes.reasons)
 
     async def notify(self) -> None:
         """Version, published weights or the ledger changed: wake the listeners and the waiters now satisfied."""
@@ -174,7 +149,7 @@ class Stage(abc.ABC):
     partial: bool = True
     concurrency: int = 1  #: leases processed at once
     span_name: str = "process"
-    lease_s: float | None = None  #: lease on the rows it holds (None: the store's default)
+    lease_s: float | None = None  #: lease on the rows it holds (None: the run's ``pipeline.lease_s``)
     #: kind (``"dense"`` or ``"ragged"``) and dtype of each produced column that is not a standard one and not dense
     #: float32; :meth:`placeholder` writes failed rows in them (e.g. ``{"n_tool_calls": ("dense", torch.int64)}``)
     column_types: Mapping[str, tuple[str, torch.dtype]] = {}
@@ -183,6 +158,10 @@ class Stage(abc.ABC):
 
     def bind(self, ctx: FlowContext) -> None:
         self.ctx = ctx
+
+    def lease(self) -> float | None:
+        """The lease this stage asks for: its own :attr:`lease_s`, else the run's (``pipeline.lease_s``)."""
+        return self.lease_s if self.lease_s is not None else self.ctx.lease_s
 
     async def setup(self) -> None:
         """Called once before the loop (engines are already set up)."""
@@ -224,7 +203,7 @@ class Stage(abc.ABC):
         lane = self.name if self.concurrency == 1 else f"{self.name}/{worker}"
         while not ctx.stop.is_set():
             meta = await store.get_meta(self.name, self.consumes, self.batch_size, sampler=self.sampler,
-                                        partial=self.partial, consumer=f"{self.name}/{worker}", lease_s=self.lease_s)
+                                        partial=self.partial, consumer=f"{self.name}/{worker}", lease_s=self.lease())
             if meta.end_of_stream:
                 return
             with ctx.timeline.span(lane, self.span_name):

@@ -30,6 +30,15 @@ class RolloutFeatures(Features):
         False, description="update_weights() may be called while paused with requests held (they continue on the new version)."
     )
     supports_sleep: bool = Field(False, description="sleep()/wake_up() release and restore device memory (colocated mode).")
+    supports_restart: bool = Field(
+        False, description="restart() replaces a dead engine with a fresh, started one (a launcher's remote replica); "
+        "off: a replica that dies is lost for the rest of the run."
+    )
+    supports_adapter_updates: bool = Field(
+        False,
+        description="configure_adapter() is accepted and update_weights() applies adapter-only (LoRA) updates: "
+        "a partial update carrying only the adapter's tensors, under peft's state-dict names.",
+    )
     weight_transports: tuple[str, ...] = Field(
         ("inprocess",), description="Names of the weight transports this engine can receive from."
     )
@@ -40,6 +49,10 @@ class TrainFeatures(Features):
     supports_checkpoint: bool = Field(True, description="save()/load() round-trip model and optimizer state.")
     supports_hf_export: bool = Field(
         False, description="export_pretrained() writes a Hugging Face save_pretrained directory."
+    )
+    supports_lora: bool = Field(
+        False, description="trainer.lora trains a peft LoRA adapter on frozen base weights; export_weights then sends "
+        "only the adapter's tensors after version 0 (asyncflow_core.types.adapter)."
     )
     weight_transports: tuple[str, ...] = Field(
         ("inprocess",), description="Names of the weight transports this engine can publish through."
@@ -56,3 +69,52 @@ class TransportFeatures(Features):
     cross_process: bool = Field(False, description="Sender and receiver may live in different processes.")
     cross_host: bool = Field(False, description="Sender and receiver may live on different hosts.")
     devices: tuple[str, ...] = Field(("cpu",), description="Device types the buckets may live on.")
+
+
+class RewardFeatures(Features):
+    """What a reward offers beyond ``score`` (read with :func:`reward_features`)."""
+
+    needs_text: bool = Field(
+        True, description="score() reads decoded text; off: the reward stage skips decoding and passes empty text "
+        "and token ids."
+    )
+    supports_score_many: bool = Field(
+        False, description="score_many(samples, timeout_s) scores a batch in one call, (True, value) or (False, why) "
+        "per sample; off: the reward stage calls score() once per sample."
+    )
+
+
+class AlgorithmFeatures(Features):
+    """How an algorithm's advantages must be computed (read with :func:`algorithm_features`)."""
+
+    advantage_scope: str = Field(
+        "group", pattern="^(group|step)$",
+        description="group: compute_advantages needs one whole prompt group at a time (the advantage stage); "
+        "step: it normalises over the whole optimizer step, so the train stage calls it on the step's rows."
+    )
+
+
+def reward_features(reward: object) -> RewardFeatures:
+    """The reward's :class:`RewardFeatures`: its ``features`` when it declares them, else read from what it defines.
+
+    A reward without a ``features`` property declares ``needs_text`` as a
+    class attribute (default True) and batch scoring by defining a callable
+    ``score_many``; this is the one place those declarations are read.
+    """
+    declared = getattr(reward, "features", None)
+    if isinstance(declared, RewardFeatures):
+        return declared
+    try:
+        many = callable(getattr(reward, "score_many", None))
+    except AttributeError:  # a property that refuses (the reward scores one at a time in this configuration)
+        many = False
+    return RewardFeatures(needs_text=bool(getattr(reward, "needs_text", True)), supports_score_many=many)
+
+
+def algorithm_features(algorithm: object) -> AlgorithmFeatures:
+    """The algorithm's :class:`AlgorithmFeatures`: its ``features`` when declared, else its ``advantage_scope``."""
+    declared = getattr(algorithm, "features", None)
+    if isinstance(declared, AlgorithmFeatures):
+        return declared
+    scope = getattr(algorithm, "advantage_scope", "group")
+    return AlgorithmFeatures(advantage_scope=str(getattr(scope, "value", scope)))

@@ -6,6 +6,7 @@ import inspect
 from typing import ClassVar
 
 from asyncflow_core.interfaces import Reward
+from asyncflow_core.interfaces.features import reward_features
 from asyncflow_core.plugins import PluginKind
 from asyncflow_core.types import RewardInput
 from asyncflow_spec.base import BackendSpec, run
@@ -37,3 +38,33 @@ class RewardSpec(BackendSpec):
         reward: Reward = make_backend()
         for sample in self.samples:
             assert run(self._score(reward, sample)) == run(self._score(reward, sample))
+
+    def test_batch_scoring_matches_one_at_a_time_or_is_not_declared(self, make_backend):
+        """``supports_score_many`` on: ``score_many(samples, timeout_s)`` gives ``(True, value)`` per sample, equal
+        to ``score``. Off: the reward must not expose a callable ``score_many`` (the reward stage then calls
+        ``score`` per sample). Fix: declare ``features`` (RewardFeatures) to match what the reward does."""
+        reward: Reward = make_backend()
+        feats = reward_features(reward)
+        if not feats.supports_score_many:
+            try:
+                many = getattr(reward, "score_many", None)
+            except AttributeError:
+                many = None
+            assert not callable(many), "score_many is callable but RewardFeatures.supports_score_many is off"
+            return
+        answers = run(reward.score_many(list(self.samples), 60.0))  # type: ignore[attr-defined]
+        assert [ok for ok, _ in answers] == [True] * len(self.samples), answers
+        assert [v for _, v in answers] == [run(self._score(reward, s)) for s in self.samples]
+
+    def test_a_reward_that_reads_no_text_scores_token_ids(self, make_backend):
+        """``needs_text`` off: the reward stage passes empty text; the reward must score from the token ids
+        (and metadata) alone. On: nothing to check here (text is always given)."""
+        reward: Reward = make_backend()
+        if reward_features(reward).needs_text:
+            return
+        for sample in self.samples:
+            blank = RewardInput(prompt=sample.prompt, completion="", prompt_token_ids=(1, 2),
+                                completion_token_ids=(3, 4), metadata=sample.metadata)
+            value = run(self._score(reward, blank))
+            scalar = value["reward"] if isinstance(value, dict) else value
+            assert isinstance(scalar, float) and scalar == scalar, f"bad reward {value!r} without text"

@@ -34,6 +34,7 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.errors import StoreError
 from asyncflow_core.flow.ledger import Ledger
+from asyncflow_core.flow.outcomes import RowOutcome
 from asyncflow_core.flow.stage import PER_RESPONSE_TOKEN as CORE_PER_RESPONSE_TOKEN
 from asyncflow_core.flow.stage import STANDARD_COLUMN_TYPES, FlowContext, Stage, StageOutput
 from asyncflow_core.flow.telemetry import Timeline
@@ -262,7 +263,8 @@ class StageSpec(BackendSpec):
         stage = self.build(make_backend)
         rows: list[int] = []
         ctx, _ = run(self.through_the_loop(stage, batch, rows.extend))
-        marked = {row for row, why in ctx.failed.items() if why == f"filtered:{stage.name}"}
+        marked = {row for row, why in ctx.outcomes.reasons.items()
+                  if why.outcome is RowOutcome.FILTERED and why.stage == stage.name}
         assert marked == {rows[i] for i in dropped}, (
             f"rows marked filtered {sorted(marked)}, but process dropped batch rows {sorted(dropped)} "
             f"(store rows {sorted(rows[i] for i in dropped)})"
@@ -292,7 +294,9 @@ class StageSpec(BackendSpec):
 
         # the fourth row of the batch is the one process() fails on
         ctx, written = run(self.through_the_loop(stage, batch, lambda ids: poisoned.append(ids[3])))
-        assert ctx.failed.get(poisoned[0], "").endswith("the suite's injected failure"), ctx.failed
+        why = ctx.outcomes.reasons.get(poisoned[0])
+        assert why is not None and why.outcome is RowOutcome.FAILED and why.stage == stage.name, ctx.outcomes.reasons
+        assert why.detail.endswith("the suite's injected failure"), why
         assert ctx.counters[f"failed_{stage.name}"] == 1
         self.check_columns(stage, batch, {n: written[n] for n in stage.produces}, "placeholder rows")
         assert ctx.processed[stage.name] == batch.num_rows

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asyncflow_core.flow.ledger import Ledger
-from asyncflow_core.flow.outcomes import ReasonTexts, RowOutcome, RowOutcomes, RowReason, merge_outputs
+from asyncflow_core.flow.outcomes import RowOutcome, RowOutcomes, RowReason, merge_outputs
 from asyncflow_core.flow.stage import FlowContext
 from asyncflow_core.flow.telemetry import Timeline
 from asyncflow_core.types import Batch, PromptRecord, RaggedTensor
@@ -56,7 +56,7 @@ def test_counters_are_read_at_call_time():
     ctx.counters = shared
     ctx.fail_rows("reward", [7], "boom")
     assert shared["failed_reward"] == 1
-    assert dict(ctx.failed) == {7: "reward: boom"}
+    assert {r: str(why) for r, why in ctx.outcomes.reasons.items()} == {7: "reward: boom"}
 
 
 def test_the_failure_rate_limit_halts_with_the_last_error():
@@ -101,13 +101,12 @@ def test_a_group_is_dropped_for_its_most_important_reason(rows):
     assert {g: o.value for g, o in got.items()} == want
 
 
-def test_the_text_view_is_read_only_and_follows_the_table():
+def test_a_reason_prints_as_one_line_and_the_first_settlement_wins():
     out, _ = table()
-    view = ReasonTexts(out.reasons)
     out.filter("adv", [2])
-    assert dict(view) == {2: "filtered:adv"} and view.get(3, "") == "" and len(view) == 1
-    with pytest.raises(TypeError):
-        view[4] = "stale"  # type: ignore[index]
+    out.fail("reward", [2], "late")  # already settled: the first reason stays
+    out.stale(3)
+    assert {r: str(why) for r, why in out.reasons.items()} == {2: "filtered:adv", 3: "stale"}
 
 
 def test_the_ledger_records_the_outcome_word():

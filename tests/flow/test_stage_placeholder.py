@@ -68,7 +68,7 @@ def test_one_failing_row_in_the_loop_keeps_every_columns_kind_and_the_other_rows
     batch = spec.make_batch(spec.rows)
     stage = Mixed()
     ctx, written = run(spec.through_the_loop(stage, batch, lambda ids: setattr(stage, "poisoned", ids[3])))
-    assert ctx.counters["failed_mixed"] == 1 and ctx.failed[stage.poisoned].endswith("injected")
+    assert ctx.counters["failed_mixed"] == 1 and ctx.outcomes.reasons[stage.poisoned].detail.endswith("injected")
     resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
     assert written["n_calls"].dtype == torch.int64
     assert written["n_calls"].tolist() == [0 if i == 3 else int(n) for i, n in enumerate(resp.lengths)]

@@ -29,6 +29,7 @@ ray = pytest.importorskip("ray", reason="the ray launcher needs Ray: pip install
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 
 from asyncflow_core.errors import ConfigError  # noqa: E402
+from asyncflow_core.flow.runtime import FlowRuntime  # noqa: E402
 from asyncflow_core.launchers.ranks import RankError, RankSpawner, rank_spawner, use_rank_spawner  # noqa: E402
 from asyncflow_core.launchers.ray.ranks import RayRankGroup, RayRankSpawner, check_one_node  # noqa: E402
 from asyncflow_core.store.deployments.ray_store import ray_listening_addresses  # noqa: E402
@@ -217,6 +218,7 @@ def test_fsdp_world2_on_rank_actors_through_the_launcher_steps_like_rank_process
             await engine.shutdown()
 
     roles = RayRoles(resolved.components["launcher"].options, resolved)
+    roles.declare(FlowRuntime(resolved).role_specs())
     slot = 3 * (2 if roles.needs_ref else 1)
     assert len(roles._pools()["trainer"]) == slot  # the trainer actor's bundle and one per rank, per trainer
     roles.place()
@@ -264,7 +266,9 @@ def test_the_trainer_pool_reserves_a_bundle_per_rank_actor_and_says_so_when_it_c
 
     def roles(*overrides: str) -> RayRoles:
         resolved = resolve(load_config(EXAMPLE, ["launcher.name=ray", *overrides]))
-        return RayRoles(resolved.components["launcher"].options, resolved)
+        roles = RayRoles(resolved.components["launcher"].options, resolved)
+        roles.declare(FlowRuntime(resolved).role_specs())  # the run's roles, as the launcher gets them
+        return roles
 
     two = "trainer.options={world_size: 2}"
     r = roles(two, "launcher.options={trainer_cpus: 0.5, trainer_rank_cpus: 2, trainer_rank_gpus: 1}")

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncflow_core.interfaces.features import reward_features
 from asyncflow_core.types import GenerationRequest, GenerationResult, RewardInput, WeightBucket
 
 _END = object()
@@ -251,7 +252,7 @@ class RewardActor:
         self.reward = factory(options)
 
     def describe(self) -> dict[str, Any]:
-        return {"needs_text": bool(getattr(self.reward, "needs_text", True)), "pid": os.getpid()}
+        return {"needs_text": reward_features(self.reward).needs_text, "pid": os.getpid()}
 
     async def score_many(self, samples: list[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
         """``(True, value)`` or ``(False, "why")`` per sample, like the reward stage's own per-sample loop."""

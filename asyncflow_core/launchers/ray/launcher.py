@@ -3,7 +3,10 @@
 The flow runtime runs in the driver (this process) exactly as under the
 ``local`` launcher; :class:`RayRoles` is the one thing that differs: it builds
 rollout replicas, the trainer (and a reference model) and the reward as
-actors behind proxies, and the store on its ray deployment.
+actors behind proxies, and the store on its ray deployment. It places and
+builds each role from its record (:class:`~asyncflow_core.flow.roles.RoleSpec`):
+by the record's ``interface``, never by its name, so a new role with a known
+interface needs no change here.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from asyncflow_core.config.loader import ResolvedConfig
 from asyncflow_core.errors import ConfigError
 from asyncflow_core.flow.checkpoint import latest_checkpoint
-from asyncflow_core.flow.runtime import FlowRuntime, Roles
+from asyncflow_core.flow.roles import RoleSpec, Roles, WeightPolicy
+from asyncflow_core.flow.runtime import FlowRuntime
 from asyncflow_core.flow.stage import RunStopped
 from asyncflow_core.interfaces import Launcher
 from asyncflow_core.launchers.ray.actors import RewardActor, RolloutActor, TrainActor
@@ -39,10 +43,6 @@ log = logging.getLogger("asyncflow.ray")
 _RemoteRollout = ray.remote(RolloutActor)
 _RemoteTrain = ray.remote(TrainActor)
 _RemoteReward = ray.remote(RewardActor)
-
-#: roles whose loss ends the run (rollout replicas and reward workers are replaced instead)
-FATAL_ROLES = ("trainer", "ref")
-
 
 def start_ray(options: RayLauncherConfig, min_cpus: float = 1) -> bool:
     """Join ``options.address`` or start a loopback-only single-host Ray; True when this call started it.
@@ -110,26 +110,44 @@ class RayRoles(Roles):
         self.proxies: list[Any] = []
         self._fatal: RoleLost | None = None
         self._fatal_event = asyncio.Event()
-        algorithm = resolved.components["algorithm"]
-        algo = algorithm.registered.record.factory(algorithm.options)
-        self.needs_ref = "ref_logprobs" in getattr(algo, "required_columns", ())
+        #: (role, index) -> (pool, first bundle in the pool) of each instance (from the declared roles)
+        self.slot_of: dict[tuple[str, int], tuple[str, int]] = {}
+        self._builders = {"rollout": self._build_rollout, "train": self._build_train, "reward": self._build_reward}
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether the run declared a reference-model role."""
+        return "ref" in self.specs
 
     # -- placement ---------------------------------------------------------------------
 
-    def _pools(self) -> dict[str, list[dict[str, float]]]:
+    def _rank_actors(self) -> int:
         from asyncflow_core.launchers.ray.ranks import trainer_rank_actors
 
-        o, cfg = self.options, self.resolved.config
-        # one slot per trainer (the policy's, then the reference model's): the trainer actor's bundle, then one
-        # bundle per rank actor when its ranks are actors (build() finds them at the same indices)
-        ranks = trainer_rank_actors(o.trainer_ranks, self.resolved.components["trainer"].options)
-        slot = [self._bundle(o.trainer_cpus, o.trainer_gpus)]
-        slot += [self._bundle(o.trainer_rank_cpus, o.trainer_rank_gpus)] * ranks
-        return {
-            "rollout": [self._bundle(o.rollout_cpus, o.rollout_gpus)] * cfg.rollout.replicas,
-            "trainer": slot * (2 if self.needs_ref else 1),
-            "reward": [self._bundle(o.reward_cpus, 0)] * o.reward_workers,
-        }
+        return trainer_rank_actors(self.options.trainer_ranks, self.resolved.components["trainer"].options)
+
+    def _instance_bundles(self, spec: RoleSpec) -> list[dict[str, float]]:
+        """The bundles one instance of ``spec`` reserves: its actor's, then (train) one per rank actor or
+        (reward) one per worker; cpus and gpus from ``<spec.resources>_cpus`` / ``_gpus``."""
+        o = self.options
+        own = self._bundle(getattr(o, f"{spec.resources}_cpus", 1.0), getattr(o, f"{spec.resources}_gpus", 0) or 0)
+        if spec.interface == "train":
+            return [own] + [self._bundle(o.trainer_rank_cpus, o.trainer_rank_gpus)] * self._rank_actors()
+        if spec.interface == "reward":
+            return [own] * o.reward_workers
+        return [own]
+
+    def _pools(self) -> dict[str, list[dict[str, float]]]:
+        """Bundles per resource pool, every declared role's instances in order (build() finds them by slot_of)."""
+        if not self.specs:
+            raise RuntimeError("RayRoles: declare the run's roles first (FlowRuntime.role_specs())")
+        pools: dict[str, list[dict[str, float]]] = {}
+        for spec in self.specs.values():
+            pool = pools.setdefault(spec.resources, [])
+            for i in range(spec.count):
+                self.slot_of[(spec.name, i)] = (spec.resources, len(pool))
+                pool.extend(self._instance_bundles(spec))
+        return pools
 
     def cpus_needed(self) -> float:
         """CPUs every role's reservation adds up to."""
@@ -163,8 +181,8 @@ class RayRoles(Roles):
         if len(done) < len(ready):
             have = ray.cluster_resources()
             self.remove_groups()
-            trainers = len(pools["trainer"]) // (2 if self.needs_ref else 1)
-            ranks = f" + {trainers - 1} rank actors x {o.trainer_rank_cpus:g}" if trainers > 1 else ""
+            n_ranks = self._rank_actors()
+            ranks = f" + {n_ranks} rank actors x {o.trainer_rank_cpus:g}" if n_ranks else ""
             raise ConfigError(
                 f"the ray launcher's placement ({o.placement}) needs {need_cpu:g} CPUs and {need_gpu:g} GPUs "
                 f"(rollout {cfg.rollout.replicas} x {o.rollout_cpus:g}, trainer {o.trainer_cpus:g}{ranks}, reward "
@@ -219,48 +237,78 @@ class RayRoles(Roles):
     # -- the Roles interface --------------------------------------------------------------
 
     def build(self, section: str, factory: Any, options: Any, *, role: str, index: int = 0) -> Any:
-        o = self.options
-        if section == "rollout":
-            w = self._watched(f"rollout/{index}", _RemoteRollout,
-                              self._actor_options("rollout", index, o.rollout_cpus, o.rollout_gpus),
-                              factory, options, fatal=False)
-            proxy = RemoteRolloutEngine(w, deadline_s=self.deadline_s, max_restarts=o.max_restarts,
-                                        bucket_cache=self.bucket_cache, counters=self.counters, weights=self.weights)
-            self.weights.add_replica(proxy)
-        elif section == "trainer":
-            from asyncflow_core.launchers.ray.ranks import RayRankSpawner, trainer_rank_actors
+        spec = self.specs.get(role)
+        if spec is None:  # not a role: a component built in the driver, unless this launcher provides its own
+            return self._component(section, factory, options)
+        builder = self._builders.get(spec.interface)
+        if builder is None:
+            raise ConfigError(f"the ray launcher cannot place role {spec.name!r}: it knows the interfaces "
+                              f"{sorted(self._builders)}, not {spec.interface!r}")
+        proxy = builder(spec, factory, options, index)
+        self.proxies.append(proxy)
+        return proxy
 
-            ranks = trainer_rank_actors(o.trainer_ranks, options)
-            idx = (1 if role == "ref" else 0) * (1 + ranks)  # this trainer's slot in the trainer pool (see _pools)
-            init: dict[str, Any] = {}
-            if ranks:
-                placed = [self.bundle_of[("trainer", idx + 1 + r)] for r in range(ranks)
-                          if ("trainer", idx + 1 + r) in self.bundle_of]
-                spawner = RayRankSpawner(num_cpus=o.trainer_rank_cpus, num_gpus=o.trainer_rank_gpus,
-                                         placement_group=placed[0][0] if placed else None,
-                                         bundle_indices=tuple(i for _, i in placed), start_timeout_s=o.start_timeout_s)
-                init["rank_spawner"] = spawner  # the trainer actor installs it before it builds the engine
-            w = self._watched(role, _RemoteTrain, self._actor_options("trainer", idx, o.trainer_cpus, o.trainer_gpus),
-                              factory, options, fatal=True, **init)
-            proxy = RemoteTrainEngine(w, deadline_s=self.deadline_s,
-                                      weights=self.weights if role == "trainer" else None)
-        elif section == "reward":
-            workers = [self._watched(f"reward/{i}", _RemoteReward,
-                                     self._actor_options("reward", i, o.reward_cpus, 0), factory, options, fatal=False)
-                       for i in range(o.reward_workers)]
-            proxy = RemoteRewardPool(workers, max_restarts=o.max_restarts, counters=self.counters)
-        elif section == "weight_transport" and self.weights.mode != "driver":
+    def _placed(self, spec: RoleSpec, index: int, offset: int = 0) -> tuple[str, int]:
+        if (spec.name, index) not in self.slot_of:
+            self._pools()
+        pool, first = self.slot_of[(spec.name, index)]
+        return pool, first + offset
+
+    def _build_rollout(self, spec: RoleSpec, factory: Any, options: Any, index: int) -> Any:
+        o = self.options
+        pool, slot = self._placed(spec, index)
+        w = self._watched(f"{spec.name}/{index}", _RemoteRollout,
+                          self._actor_options(pool, slot, getattr(o, f"{spec.resources}_cpus"),
+                                              getattr(o, f"{spec.resources}_gpus", 0)),
+                          factory, options, fatal=spec.fatal)
+        proxy = RemoteRolloutEngine(w, deadline_s=self.deadline_s, max_restarts=o.max_restarts,
+                                    bucket_cache=self.bucket_cache, counters=self.counters, weights=self.weights)
+        self.weights.add_replica(proxy)
+        return proxy
+
+    def _build_train(self, spec: RoleSpec, factory: Any, options: Any, index: int) -> Any:
+        from asyncflow_core.launchers.ray.ranks import RayRankSpawner, trainer_rank_actors
+
+        o = self.options
+        ranks = trainer_rank_actors(o.trainer_ranks, options)
+        pool, slot = self._placed(spec, index)
+        init: dict[str, Any] = {}
+        if ranks:
+            placed = [self.bundle_of[(pool, slot + 1 + r)] for r in range(ranks) if (pool, slot + 1 + r) in self.bundle_of]
+            spawner = RayRankSpawner(num_cpus=o.trainer_rank_cpus, num_gpus=o.trainer_rank_gpus,
+                                     placement_group=placed[0][0] if placed else None,
+                                     bundle_indices=tuple(i for _, i in placed), start_timeout_s=o.start_timeout_s)
+            init["rank_spawner"] = spawner  # the trainer actor installs it before it builds the engine
+        name = spec.name if spec.count == 1 else f"{spec.name}/{index}"
+        w = self._watched(name, _RemoteTrain,
+                          self._actor_options(pool, slot, getattr(o, f"{spec.resources}_cpus"),
+                                              getattr(o, f"{spec.resources}_gpus", 0)),
+                          factory, options, fatal=spec.fatal, **init)
+        # only the publishing trainer sends weights over the launcher's weight path
+        publishes = spec.weights is WeightPolicy.PUBLISHES
+        return RemoteTrainEngine(w, deadline_s=self.deadline_s, weights=self.weights if publishes else None)
+
+    def _build_reward(self, spec: RoleSpec, factory: Any, options: Any, index: int) -> Any:
+        o = self.options
+        pool, slot = self._placed(spec, index)
+        workers = [self._watched(f"{spec.name}/{i}", _RemoteReward,
+                                 self._actor_options(pool, slot + i, getattr(o, f"{spec.resources}_cpus"), 0),
+                                 factory, options, fatal=spec.fatal)
+                   for i in range(o.reward_workers)]
+        return RemoteRewardPool(workers, max_restarts=o.max_restarts, counters=self.counters)
+
+    def _component(self, section: str, factory: Any, options: Any) -> Any:
+        """A component that is not a role: the ray weight path's transport and the ray store replace the
+        configured ones when the launcher options ask for them; anything else is built here."""
+        if section == "weight_transport" and self.weights.mode != "driver":
             return self.weights.make_transport()  # handles pass through it; the bytes go actor to actor
-        elif section == "store" and o.store == "ray" and self.resolved.config.store.name == "inprocess":
+        if section == "store" and self.options.store == "ray" and self.resolved.config.store.name == "inprocess":
             from asyncflow_core.plugins import get_plugin_manager
             from asyncflow_core.store.options import StoreOptions
 
             shared = options.model_dump(include=set(StoreOptions.model_fields))
             return get_plugin_manager().create("store", "ray", shared)
-        else:
-            return factory(options)
-        self.proxies.append(proxy)
-        return proxy
+        return factory(options)
 
     async def lost(self) -> None:
         await self._fatal_event.wait()
@@ -289,14 +337,15 @@ class RayLauncher(Launcher):
         resolved = config if isinstance(config, ResolvedConfig) else resolve(config)
         t0 = time.perf_counter()
         self.roles = RayRoles(self.options, resolved)
+        self.runtime = FlowRuntime(resolved, run_dir=run_dir, progress=progress, resume=resume, roles=self.roles)
+        self.roles.declare(self.runtime.role_specs())  # the algorithm is built once, by the runtime
         self._started_ray = start_ray(self.options, self.roles.cpus_needed()) or self._started_ray
         try:
             self.roles.place()
-            self.runtime = FlowRuntime(resolved, run_dir=run_dir, progress=progress, resume=resume, roles=self.roles)
             try:
                 summary = await self.runtime.run()
             except RoleLost as exc:
-                if exc.role in FATAL_ROLES:
+                if self.roles.fatal(exc.role):
                     raise RunStopped(_trainer_lost_message(exc, run_dir)) from None
                 raise
             summary["launcher"] = {"name": "ray", "namespace": self.roles.namespace,

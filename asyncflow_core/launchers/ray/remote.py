@@ -32,6 +32,7 @@ import ray
 
 from asyncflow_core.errors import EngineError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, TrainEngine
+from asyncflow_core.interfaces.features import RewardFeatures
 from asyncflow_core.launchers.ray.handles import WeightHandle
 from asyncflow_core.launchers.ray.watch import RoleLost, RoleTimeout, WatchedActor, short_reason
 from asyncflow_core.types import GenerationRequest, GenerationResult, RewardInput, WeightBucket
@@ -112,7 +113,8 @@ class RemoteRolloutEngine(RolloutEngine):
 
     @property
     def features(self):  # type: ignore[override]
-        return self._desc.get()["features"]
+        # the actor's engine's features, and restart(): this proxy replaces a dead actor with a fresh one
+        return self._desc.get()["features"].model_copy(update={"supports_restart": True})
 
     @property
     def version(self) -> int:
@@ -339,6 +341,11 @@ class RemoteRewardPool:
     def needs_text(self) -> bool:
         """Whether the reward reads decoded text (the reward stage skips decoding when not)."""
         return bool(self._desc.get()["needs_text"])
+
+    @property
+    def features(self) -> RewardFeatures:
+        """Batch scoring always (one round trip per batch); decoded text as the reward behind it asks."""
+        return RewardFeatures(needs_text=self.needs_text, supports_score_many=True)
 
     def score(self, sample: RewardInput) -> Any:
         return self._one(sample)

@@ -1,0 +1,67 @@
+"""The column graph check (flow/pipeline.py): generic over stages, plugin stages anywhere, one clear error."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncflow_core import columns as C
+from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.pipeline import PipelinePlan, check_columns, column_type
+from asyncflow_core.flow.stage import Stage
+
+
+def stage(name: str, consumes=(), produces=(), types=None) -> Stage:
+    cls = type(name.title(), (Stage,), {"name": name, "consumes": tuple(consumes), "produces": tuple(produces),
+                                         "column_types": types or {}})
+    return cls()
+
+
+BASE = [stage("feeder", produces=[C.PROMPT_IDS, C.GROUP_ID]),
+        stage("rollout", [C.PROMPT_IDS], [C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS]),
+        stage("reward", [C.RESPONSE_IDS], [C.REWARD])]
+
+
+def test_a_consumed_column_nobody_produces_is_one_error_naming_stage_and_column():
+    with pytest.raises(ConfigError, match=r"stage 'train' consumes column 'ref_logprobs' \(for algorithm 'x'\), "
+                                          "which no stage produces"):
+        check_columns([*BASE, stage("train", [C.REWARD, C.REF_LOGPROBS])], readers={"train": "algorithm 'x'"})
+
+
+def test_a_plugin_stage_may_produce_or_consume_ref_logprobs_anywhere_in_the_list():
+    ref = stage("my_ref", [C.PROMPT_IDS, C.RESPONSE_IDS], [C.REF_LOGPROBS])
+    kl = stage("kl_filter", [C.REF_LOGPROBS, C.BEHAVIOR_LOGPROBS], ["kl"])
+    check_columns([kl, *BASE, stage("train", [C.REF_LOGPROBS, "kl"]), ref])  # order does not matter
+
+
+def test_two_producers_and_disagreeing_types_are_refused():
+    with pytest.raises(ConfigError, match="'reward' is produced by two stages, 'reward' and 'judge'"):
+        check_columns([*BASE, stage("judge", [C.RESPONSE_IDS], [C.REWARD])])
+    bad = stage("reader", [C.REWARD], types={C.REWARD: ("ragged", torch.float32)})
+    with pytest.raises(ConfigError, match="reads column 'reward' as ragged float32, but stage 'reward' writes it "
+                                          "as dense float32"):
+        check_columns([*BASE, bad])
+    calls = stage("tools", [C.RESPONSE_IDS], ["n_calls"], types={"n_calls": ("dense", torch.int64)})
+    ok = stage("reader", ["n_calls"], types={"n_calls": ("dense", torch.int64)})
+    check_columns([*BASE, calls, ok])
+    assert str(column_type(BASE[1], C.BEHAVIOR_LOGPROBS)) == "ragged float32, per response token"
+
+
+def _plan(required, plugins=(), reward_stage=None) -> PipelinePlan:
+    algo = SimpleNamespace(required_columns=tuple(required))
+    return PipelinePlan(cfg=None, algorithm=algo, plugins=list(plugins), reward_stage=reward_stage)
+
+
+def test_a_plugin_that_produces_ref_logprobs_replaces_the_reference_model():
+    need = [C.REWARD, C.BEHAVIOR_LOGPROBS, C.REF_LOGPROBS, C.OLD_LOGPROBS]
+    assert _plan(need).needs_ref and _plan(need).needs_old
+    plugin = stage("my_ref", [C.PROMPT_IDS, C.RESPONSE_IDS], [C.REF_LOGPROBS])
+    plan = _plan(need, [plugin])
+    assert not plan.needs_ref and plan.needs_old and not plan.needs_values
+
+
+def test_a_reward_replacement_must_produce_reward():
+    with pytest.raises(ConfigError, match="pipeline.replace.reward: stage 'judge' must produce the 'reward' column"):
+        _plan([C.REWARD], reward_stage=stage("judge", [C.RESPONSE_IDS], ["score"]))
