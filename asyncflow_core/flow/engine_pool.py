@@ -188,7 +188,8 @@ class EnginePool:
 
     @staticmethod
     def restartable(r: Replica) -> bool:
-        return callable(getattr(r.engine, "restart", None))
+        """The engine declares ``supports_restart`` (a launcher's remote replica that can be rebuilt)."""
+        return bool(getattr(r.engine.features, "supports_restart", False))
 
     async def restart(self, r: Replica, reload: Callable[[Replica], Awaitable[None]], *,
                       span: Callable[[str, str], Any]) -> bool:

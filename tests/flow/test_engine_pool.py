@@ -18,7 +18,7 @@ from asyncflow_core.interfaces.features import RolloutFeatures
 
 class FakeEngine:
     def __init__(self, *, restartable: bool = False, restart_fails: int = 0, **feats: bool) -> None:
-        self.features = RolloutFeatures(**feats)
+        self.features = RolloutFeatures(supports_restart=restartable, **feats)
         self.version = 0
         self.calls: list[tuple] = []
         self.restart_fails = restart_fails
