@@ -42,6 +42,9 @@ def render() -> str:
     for name, field in RunConfig.model_fields.items():
         lines.append(f"| `{field.alias or name}` | {field.description} |")
         ann = field.annotation
+        optional = [a for a in getattr(ann, "__args__", ()) if a is not type(None)]
+        if len(optional) == 1 and len(getattr(ann, "__args__", ())) == 2:
+            ann = optional[0]  # an optional section (``X | None``) is documented as X
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             sections.append((field.alias or name, ann))
     for key, model in sections:

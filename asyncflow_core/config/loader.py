@@ -179,6 +179,8 @@ class ResolvedConfig:
                 target = out["pipeline"]["stages"][int(section[len("pipeline.stages["):-1])]
             elif section.startswith("pipeline.replace."):
                 target = out["pipeline"]["replace"][section[len("pipeline.replace."):]]
+            elif section.startswith("eval.datasets["):
+                target = out["eval"]["datasets"][int(section[len("eval.datasets["):-1])]
             else:
                 target = out[section]
             target["options"] = comp.options.model_dump(mode="json")
@@ -222,6 +224,24 @@ def resolve(config: RunConfig, pm: AsyncflowPluginManager | None = None) -> Reso
             problems.append(f"{where}.name: {exc}" if isinstance(exc, PluginError) else str(exc))
             continue
         components[where] = ResolvedComponent(where, registered, options)
+    eval_sets = [(f"eval.datasets[{i}]", c) for i, c in enumerate(config.eval.datasets)] if config.eval else []
+    for where, comp in eval_sets if pm.registrations(PluginKind.DATASET) else []:
+        try:
+            registered = pm.lookup(PluginKind.DATASET, comp.name)
+            options = pm.validate_options(PluginKind.DATASET, comp.name, comp.options, where=f"{where}.options")
+        except (ConfigError, PluginError) as exc:
+            problems.append(f"{where}.name: {exc}" if isinstance(exc, PluginError) else str(exc))
+            continue
+        components[where] = ResolvedComponent(where, registered, options)
+    if config.environment is not None:  # optional section: absent means single-turn rollouts
+        env = config.environment
+        try:
+            registered = pm.lookup(PluginKind.ENVIRONMENT, env.name)
+            options = pm.validate_options(PluginKind.ENVIRONMENT, env.name, env.options, where="environment.options")
+        except (ConfigError, PluginError) as exc:
+            problems.append(f"environment.name: {exc}" if isinstance(exc, PluginError) else str(exc))
+        else:
+            components["environment"] = ResolvedComponent("environment", registered, options)
     algorithm = components.get("algorithm")
     group_size = getattr(algorithm.options, "group_size", None) if algorithm is not None else None
     if isinstance(group_size, int) and group_size != config.rollout.n:

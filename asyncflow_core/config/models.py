@@ -11,9 +11,12 @@ beside them, so switching engines never changes them.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from asyncflow_core.types.adapter import LoraSpec
 
 
 class StrictModel(BaseModel):
@@ -157,6 +160,14 @@ class TrainerConfig(Component):
     export_final: bool = Field(
         True, description="At the end, write the weights as a Hugging Face checkpoint in run_dir/final_model "
         "(engines that have a Hugging Face model)."
+    )
+    lora: LoraSpec | None = Field(
+        None, description="Train a LoRA adapter (peft) on frozen base weights instead of the full model; weight "
+        "syncs after version 0 carry only the adapter. Its presence turns LoRA on (`trainer.lora: {}` for the "
+        "defaults). Fields: `rank` (8), `alpha` (16), `dropout` (0.0, train steps only), `target_modules` (default "
+        "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), `modules_to_save` (fully trained modules, "
+        "none), `export` (what export_pretrained writes: merged or adapter). Trainers without `supports_lora` "
+        "(megatron, toy) refuse it; docs/adapters/fsdp.md, \"LoRA\"."
     )
 
 
@@ -328,6 +339,86 @@ class LauncherConfig(Component):
     )
 
 
+class EnvironmentConfig(Component):
+    """Multi-turn episodes: the environment the policy acts in (absent: single-turn rollouts)."""
+
+    name: str = Field(description="Environment plugin name (see `asyncflow plugins --kind environment`).")
+    max_turns: int = Field(4, ge=1, description="Most policy turns per episode; an episode not done by then is "
+                           "cut there, with the reason (max_turns) recorded.")
+    step_timeout_s: float = Field(
+        30.0, gt=0, description="A reset or step not returned by then ends its episode as a recorded failure."
+    )
+    max_episode_tokens: int | None = Field(
+        None, ge=1,
+        description="Most tokens per episode (prompt, turns and observations); an episode that would grow past it "
+        "is cut there, with the reason (max_episode_tokens) recorded. Default: the model's context length.",
+    )
+    workers: int = Field(64, ge=1, description="Episodes whose environments are open at once (per rollout process).")
+    processes: int | None = Field(
+        None, ge=0,
+        description="0: environments run in the event loop; N: in a pool of N worker processes, so a blocking tool "
+        "never stalls decoding. Default: 0, or 2 when the environment declares features.blocking.",
+    )
+
+
+#: metrics an ``eval`` section may ask for (``pass@N`` for any N up to ``samples_per_prompt`` too)
+EVAL_METRICS = ("pass@1", "pass@k", "mean_reward", "mean_length", "format_rate")
+
+
+class EvalDatasetConfig(Component):
+    """One held-out prompt set: a dataset plugin and its options, as in the ``data`` section."""
+
+    name: str = Field("jsonl", description="Dataset plugin name (the same plugins and options as `data`).")
+    label: str | None = Field(
+        None, description="Name of this set in metrics (eval/<label>/pass@1); default: the file's stem.")
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first N prompts of the set.")
+
+
+class EvalConfig(StrictModel):
+    """Validation during training, each evaluation pinned to one weight version (docs/data-and-rewards.md)."""
+
+    datasets: list[EvalDatasetConfig] = Field(
+        min_length=1, description="Held-out prompt sets; their rows never enter training (nor the training store).")
+    every_steps: int = Field(
+        20, ge=0, description="Evaluate the weights of every N-th version (after N, 2N, ... steps); 0: only "
+        "`at_start`/`at_end`.")
+    samples_per_prompt: int = Field(1, ge=1, description="Completions per eval prompt (k of pass@k).")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature of eval completions (a small value such as 0.01 is near-greedy).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass of eval completions.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Cap on eval completion tokens; default: rollout's.")
+    metrics: list[str] = Field(
+        default_factory=lambda: ["pass@1", "pass@k", "mean_reward", "mean_length", "format_rate"],
+        description="What to report: pass@1, pass@k (k = samples_per_prompt; or pass@N for N <= it, unbiased "
+        "estimator), mean_reward, mean_length (tokens), format_rate (share of completions whose reward reports "
+        "answer_found=1; math_verify does).",
+    )
+    pass_threshold: float = Field(1.0, description="A completion passes when its reward is at least this.")
+    priority: float = Field(
+        0.25, gt=0, le=1,
+        description="Share of a rollout replica's slots (rollout.max_inflight) eval requests may take while "
+        "training generates beside them; the rest stays with training.",
+    )
+    at_start: bool = Field(False, description="Also evaluate version 0 (the initial weights).")
+    at_end: bool = Field(True, description="Also evaluate the last version when it is not a multiple of every_steps.")
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, value: list[str]) -> list[str]:
+        for m in value:
+            if m not in EVAL_METRICS and not re.fullmatch(r"pass@[1-9][0-9]*", m):
+                raise ValueError(f"unknown eval metric {m!r}; use {', '.join(EVAL_METRICS)} or pass@N")
+        return value
+
+    @model_validator(mode="after")
+    def _k_fits(self) -> EvalConfig:
+        for m in self.metrics:
+            if m.startswith("pass@") and m != "pass@k" and int(m[5:]) > self.samples_per_prompt:
+                raise ValueError(f"eval metric {m} needs at least {m[5:]} samples per prompt; raise "
+                                 f"eval.samples_per_prompt (now {self.samples_per_prompt}) or lower N")
+        return self
+
+
 class LoggingConfig(StrictModel):
     """Where metrics and traces go."""
 
@@ -355,7 +446,11 @@ class RunConfig(StrictModel):
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="Flow runtime knobs.")
     canary: CanaryConfig = Field(default_factory=CanaryConfig, description="Weights canary (rollout vs trainer).")
     launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="Launcher.")
+    eval: EvalConfig | None = Field(None, description="Validation pinned to weight versions (null: none).")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and traces.")
+    environment: EnvironmentConfig | None = Field(
+        None, description="Multi-turn environment (docs/agents.md); absent: one completion per sample."
+    )
 
 
 #: Component sections and the plugin kind each names.

@@ -13,6 +13,7 @@ from asyncflow_core import columns as C
 from asyncflow_core.errors import EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Algorithm, LossContext, TrainEngine, TrainFeatures
 from asyncflow_core.types import Batch, RaggedTensor, WeightBucket, pack_buckets
+from asyncflow_core.types.adapter import LoraSpec
 from asyncflow_plugins.toy.policy import PARAM_NAME, initial_table, sampling_logprobs
 
 FEATURES = TrainFeatures(supports_values=False, supports_checkpoint=True, supports_hf_export=False)
@@ -30,6 +31,9 @@ class ToyTrainConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     temperature: float = Field(1.0, gt=0, description="Temperature of the log-prob convention (match the rollout's).")
     micro_batch_tokens: int = Field(4096, ge=1, description="Response-token budget of one micro-batch.")
+    lora: LoraSpec | None = Field(
+        None, description="Filled from trainer.lora; the bigram table is no Hugging Face model, so LoRA is refused."
+    )
 
     def exported_weights(self, model: object = None) -> dict[str, tuple[int, ...]]:
         """What ``export_weights`` sends: the bigram table (for ``asyncflow config validate``'s pairing check)."""
@@ -72,6 +76,9 @@ class ToyTrainEngine(TrainEngine):
     """One process, one rank: enough to run the whole pipeline and the spec suite on a laptop."""
 
     def __init__(self, config: ToyTrainConfig) -> None:
+        if config.lora is not None:
+            raise UnsupportedFeatureError("trainer.lora: the toy trainer's bigram table has no linear layers to adapt; "
+                                          "remove trainer.lora, or use the fsdp trainer with a Hugging Face model")
         self.config = config
         self._param: torch.nn.Parameter | None = None
         self._opt: torch.optim.Optimizer | None = None

@@ -8,11 +8,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.interfaces import TrainFeatures
+from asyncflow_core.types.adapter import LoraSpec
 
 #: What the registration declares (``asyncflow plugins`` shows it): the defaults.
 #: An engine built with ``value_head: true`` reports ``supports_values=True``.
 DECLARED_FEATURES = TrainFeatures(
-    supports_values=False, supports_checkpoint=True, supports_hf_export=True, weight_transports=("inprocess",)
+    supports_values=False, supports_checkpoint=True, supports_hf_export=True, supports_lora=True,
+    weight_transports=("inprocess",)
 )
 
 
@@ -21,7 +23,8 @@ class FSDPTrainConfig(BaseModel):
 
     ``model``, ``temperature``, ``top_p`` and ``top_k`` are filled from the
     run's ``model`` and ``rollout`` sections when left unset, so trainer and
-    rollout share one policy and one log-prob convention.
+    rollout share one policy and one log-prob convention; ``lora`` from
+    ``trainer.lora``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -63,6 +66,10 @@ class FSDPTrainConfig(BaseModel):
     )
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of exported weights (export_weights, export_hf); auto: the model's `dtype`."
+    )
+    lora: LoraSpec | None = Field(
+        None, description="Train a peft LoRA adapter on the frozen model instead of all of it; defaults to the "
+        "run's `trainer.lora`. export_weights sends the whole model at version 0, then only the adapter's tensors."
     )
     value_head: bool = Field(
         False, description="Add a scalar value head on the last hidden state (compute_logprobs(values=True)); "

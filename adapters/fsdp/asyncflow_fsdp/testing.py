@@ -1,7 +1,8 @@
 """Helpers for tests of the ``fsdp`` engine (here and in projects that build on it).
 
 ``TINY_QWEN2`` is a randomly initialised two-layer Qwen2 small enough to train
-in milliseconds on a CPU. ``GRPOWithValueLoss`` shows the optional
+in milliseconds on a CPU. :func:`local_rank` runs one rank in the test's
+own process, for white-box checks of its model and optimizer. ``GRPOWithValueLoss`` shows the optional
 ``value_loss`` an algorithm may define to train the engine's value head; it
 lives in an importable module because algorithms are pickled to the ranks.
 """
@@ -9,6 +10,9 @@ lives in an importable module because algorithms are pickled to the ranks.
 from __future__ import annotations
 
 import os
+import pickle
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -129,3 +133,30 @@ def bf16_logprob_atol(logits_scale: float, num_layers: int) -> float:
     absolute error, ``bf16_relative_error * logits_scale``, counts twice.
     """
     return 2 * bf16_relative_error(num_layers) * logits_scale
+
+
+@contextmanager
+def local_rank(options: dict[str, Any], device: str = "cpu") -> Iterator[Any]:
+    """A world-1 ``fsdp`` rank (:class:`asyncflow_fsdp.worker.RankWorker`) in this process, set up on ``device``.
+
+    For white-box tests and benchmarks that read the rank's model and
+    optimizer directly (``worker.model``, ``worker.optimizer``); the process
+    group (gloo on cpu, NCCL on cuda; rendezvous on 127.0.0.1) is destroyed
+    on exit.
+    """
+    from asyncflow_fsdp.config import FSDPTrainConfig
+    from asyncflow_fsdp.worker import RankWorker
+
+    worker = RankWorker(0, 1, FSDPTrainConfig.model_validate({**options, "world_size": 1}))
+    try:
+        port = worker.op_bind(None)
+        worker.op_setup({"port": port, "device": device})
+        yield worker
+    finally:
+        worker.close()
+
+
+def train_payload(batch: Batch, algorithm: Any, version: int = 0) -> dict[str, Any]:
+    """What the driver sends a world-1 rank for one train step over ``batch`` in one micro-batch."""
+    return {"batch": batch, "micro_batches": [torch.arange(batch.num_rows)], "passes": 1,
+            "ctx": LossContext.of(batch, version), "algorithm": pickle.dumps(algorithm)}

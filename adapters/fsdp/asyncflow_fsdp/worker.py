@@ -48,6 +48,7 @@ from asyncflow_core.launchers.rank_worker import (
     serve,
 )
 from asyncflow_core.types import Batch, RaggedTensor
+from asyncflow_core.types.adapter import adapter_state_dict, wrap
 from asyncflow_fsdp.config import FSDPTrainConfig
 from asyncflow_fsdp.forward import layout, score
 from asyncflow_fsdp.init import materialize_from_rank0, meta_skeleton
@@ -75,6 +76,7 @@ class RankWorker(RankWorkerBase):
         self._keep_logits = True
         self._architecture = ""
         self._export_chunks: list[list[tuple[str, torch.Tensor]]] = []
+        self._version = 0  # optimizer steps taken (the driver's version): export sends the adapter only after 0
 
     # -- start ------------------------------------------------------------------
 
@@ -104,11 +106,21 @@ class RankWorker(RankWorkerBase):
         self._keep_logits = "logits_to_keep" in inspect.signature(net.forward).parameters
         if c.gradient_checkpointing:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if c.lora is not None:
+            # peft wraps before fully_shard: the base is frozen (requires_grad=False) and each block's adapter
+            # weights share its FSDP unit (FSDP2 keeps every parameter separate, so frozen and trainable mix).
+            # Rank 0 draws the adapter's initial A from the seed (B starts at 0, so version 0 is the base model)
+            # and broadcasts it with the rest.
+            net = wrap(net, c.lora)
+            if source is not None:
+                with torch.random.fork_rng():
+                    torch.manual_seed(c.seed)
+                    source = wrap(source, c.lora)
         mesh = init_device_mesh(device_type, (self.world_size,))
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": c.reshard_after_forward}
         if device_type == "cuda" and c.mixed_precision == "bfloat16":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        blocks = _decoder_blocks(net)
+        blocks = _decoder_blocks(net.get_base_model() if c.lora is not None else net)
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(net, **kwargs)
@@ -126,12 +138,12 @@ class RankWorker(RankWorkerBase):
             self._fsdp.append(head)  # type: ignore[arg-type]
             modules["value_head"] = head
         self.holder = torch.nn.ModuleDict(modules)
-        self.optimizer = torch.optim.AdamW(
-            self.holder.parameters(), lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay
-        )
+        trainable = [p for p in self.holder.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
+        self.optimizer = torch.optim.AdamW(trainable, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
         return {
             "vocab_size": int(net.get_input_embeddings().weight.shape[0]),
             "parameters": sum(p.numel() for p in net.parameters()),
+            "trainable_parameters": sum(p.numel() for p in trainable),
             "device": str(self.device),
             "backend": backend,
             "sharded_blocks": len(blocks),
@@ -186,9 +198,35 @@ class RankWorker(RankWorkerBase):
                        and C.VALUES in tuple(getattr(algorithm, "required_columns", ())))
         want_values = value_loss is not None or value_preds
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, tokens = 0.0, 0
         weighted: dict[str, float] = {}
-        for k in range(payload["passes"]):
+        dropout = self.config.lora is not None and self.config.lora.dropout > 0
+        if dropout:  # the adapter's dropout acts in train steps only; log-probs are always computed in eval mode
+            self.holder.train()
+        try:
+            loss_sum, tokens = self._passes(payload["passes"], batch, parts, ctx, algorithm, value_loss, value_preds,
+                                            want_values, weighted)
+        finally:
+            if dropout:
+                self.holder.eval()
+        params = [p for p in self.holder.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        norm = float(grad_norm)
+        stepped = bool(np.isfinite(norm))
+        if stepped:
+            self.optimizer.step()
+            self._version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss_sum": loss_sum, "tokens": tokens, "weighted": weighted, "grad_norm": norm,
+                "stepped": stepped, "micro_batches": len(parts)}
+
+    def _passes(self, passes: int, batch: Batch, parts: list[torch.Tensor], ctx: LossContext, algorithm: Any,
+                value_loss: Any, value_preds: bool, want_values: bool,
+                weighted: dict[str, float]) -> tuple[float, int]:
+        """Forward/backward of every pass of a train step (gradients accumulate); the loss sum and token count."""
+        loss_sum, tokens = 0.0, 0
+        for k in range(passes):
             if k < len(parts):
                 mb = batch.select(parts[k])
                 offsets = mb["response_ids"].offsets
@@ -211,17 +249,7 @@ class RankWorker(RankWorkerBase):
             # FSDP averages gradients over ranks; the losses are already normalised by the whole step's
             # counts (LossContext), so the full-batch gradient is the *sum* over ranks: undo the average.
             (loss * self.world_size).backward()
-        params = [p for p in self.holder.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        norm = float(grad_norm)
-        stepped = bool(np.isfinite(norm))
-        if stepped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss_sum": loss_sum, "tokens": tokens, "weighted": weighted, "grad_norm": norm,
-                "stepped": stepped, "micro_batches": len(parts)}
+        return loss_sum, tokens
 
     # -- export -----------------------------------------------------------------
 
@@ -233,7 +261,7 @@ class RankWorker(RankWorkerBase):
         dtype = self._export_dtype()
         items: list[tuple[tuple[str, torch.Tensor], int]] = []
         seen: set[int] = set()
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
+        for name, tensor in self._exported():
             if id(tensor) in seen:  # tied weights (e.g. lm_head = embed_tokens): export the first name only
                 continue
             seen.add(id(tensor))
@@ -241,6 +269,18 @@ class RankWorker(RankWorkerBase):
             items.append(((name, tensor), aligned(tensor.numel() * itemsize)))
         self._export_chunks = plan_chunks(items, bucket_bytes)
         return len(self._export_chunks)
+
+    def _exported(self) -> list[tuple[str, torch.Tensor]]:
+        """What ``export_weights`` sends: every tensor by its Hugging Face name, or with LoRA after version 0 only
+        the adapter's (``peft.get_peft_model_state_dict`` names, e.g. ``...q_proj.lora_A.weight``)."""
+        assert self.model is not None
+        state = self.model.state_dict(keep_vars=True)
+        if self.config.lora is None:
+            return list(state.items())
+        if self._version > 0:
+            return list(adapter_state_dict(self.model, state_dict=state).items())
+        # version 0: the base model (B = 0, so the adapter adds nothing yet) under the plain model's names
+        return [(hf, tensor) for name, tensor in state.items() if (hf := base_name(name)) is not None]
 
     def op_export_chunk(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Gather one bucket's tensors (cast first, so the gather moves export-dtype bytes); rank 0 ships them."""
@@ -265,10 +305,12 @@ class RankWorker(RankWorkerBase):
         assert self.holder is not None and self.optimizer is not None
         self._reshard()
         path = Path(payload["path"])
-        model_sd, optim_sd = get_state_dict(self.holder, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.holder, self.optimizer, options=self._state_options())
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path / "dcp"))
+        lora = self.config.lora.model_dump(mode="json") if self.config.lora is not None else None
         self.finish_save(path, {"version": payload["version"], "world_size": self.world_size,
-                                "value_head": self.value_head is not None, "architecture": self._architecture})
+                                "value_head": self.value_head is not None, "architecture": self._architecture,
+                                "lora": lora})
 
     def op_load(self, payload: dict[str, Any]) -> int:
         """Restore a checkpoint written by :meth:`op_save` (any world size); returns its version."""
@@ -278,12 +320,27 @@ class RankWorker(RankWorkerBase):
         if bool(meta.get("value_head")) != (self.value_head is not None):
             raise ValueError(f"checkpoint {path} was saved with value_head={meta.get('value_head')}, this engine has "
                              f"value_head={self.value_head is not None}; use the same option")
+        mine = self.config.lora.model_dump(mode="json") if self.config.lora is not None else None
+        if _adapter_shape(meta.get("lora")) != _adapter_shape(mine):
+            raise ValueError(f"checkpoint {path} was saved with trainer.lora={meta.get('lora')}, this engine has "
+                             f"trainer.lora={mine}; use the same rank, alpha, target_modules and modules_to_save")
         self._reshard()
-        model_sd, optim_sd = get_state_dict(self.holder, self.optimizer)
+        options = self._state_options()
+        model_sd, optim_sd = get_state_dict(self.holder, self.optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(self.holder, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return self.finish_load(path, meta)
+        set_state_dict(self.holder, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
+        self._version = self.finish_load(path, meta)
+        return self._version
+
+    def _state_options(self) -> StateDictOptions | None:
+        # with LoRA a checkpoint holds what trains (adapter, modules_to_save, value head) and its optimizer state;
+        # the frozen base comes back from model.path / the seed at setup. DCP still refuses a checkpoint that
+        # lacks any trainable tensor (every requested key must be found).
+        if self.config.lora is None:
+            return None
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def op_export_hf(self, payload: dict[str, Any]) -> None:
         """Full state dict to rank 0 (CPU), written with ``save_pretrained`` in the export dtype."""
@@ -292,6 +349,11 @@ class RankWorker(RankWorkerBase):
         path = Path(payload["path"])
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(self.model, options=options)
+        if self.config.lora is not None:
+            if self.rank == 0:
+                self._export_lora(path, state)
+            dist.barrier()
+            return
         if self.rank == 0:
             dtype = self._export_dtype()
             state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
@@ -306,6 +368,34 @@ class RankWorker(RankWorkerBase):
             self.copy_tokenizer(path)
         dist.barrier()
 
+    def _export_lora(self, path: Path, state: dict[str, torch.Tensor]) -> None:
+        """Rank 0: a CPU copy of the peft model from the gathered ``state``; the merged model or the adapter."""
+        c = self.config
+        assert c.lora is not None and c.model is not None
+        copy = wrap(meta_skeleton(c.model), c.lora)  # shapes only: the gathered tensors are assigned, not copied
+        copy.load_state_dict(state, assign=True)
+        dtype = self._export_dtype()
+        path.mkdir(parents=True, exist_ok=True)
+        if c.lora.export == "adapter":
+            # PeftModel.save_pretrained picks the adapter's tensors out of the state dict it is given
+            copy.peft_config["default"].base_model_name_or_path = c.model.path
+            cast = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in copy.state_dict().items()}
+            copy.save_pretrained(str(path), state_dict=cast)
+            self.copy_tokenizer(path)
+            return
+        merged = copy.merge_and_unload()  # W + (alpha / r) B A, folded into the base layers by peft
+        out = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in merged.state_dict().items()}
+        merged.save_pretrained(str(path), state_dict=out)
+        config_file = path / "config.json"
+        config = json.loads(config_file.read_text())
+        config["architectures"] = [self._architecture]
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        embed, head = merged.get_input_embeddings(), merged.get_output_embeddings()
+        if config.get("tie_word_embeddings") and head is not None and not torch.equal(embed.weight, head.weight):
+            config["tie_word_embeddings"] = False  # modules_to_save trained one of them: keep both as trained
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        self.copy_tokenizer(path)
+
     # -- misc -------------------------------------------------------------------
 
     def _reshard(self) -> None:
@@ -313,6 +403,22 @@ class RankWorker(RankWorkerBase):
         for module in self._fsdp:
             module.reshard()
 
+
+
+def base_name(name: str) -> str | None:
+    """The plain model's name of a peft model's tensor (``None`` for the adapter's own tensors)."""
+    if ".lora_" in name or ".modules_to_save." in name:
+        return None
+    return (name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            .replace(".original_module.", "."))
+
+
+def _adapter_shape(lora: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    """What a checkpoint's adapter must share with the engine's (dropout and export may differ)."""
+    if lora is None:
+        return None
+    return (lora.get("rank"), lora.get("alpha"), tuple(lora.get("target_modules") or ()),
+            tuple(lora.get("modules_to_save") or ()))
 
 
 def _decoder_blocks(net: torch.nn.Module) -> list[torch.nn.Module]:

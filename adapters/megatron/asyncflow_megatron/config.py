@@ -8,11 +8,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.interfaces import TrainFeatures
+from asyncflow_core.types.adapter import LoraSpec
 
 #: What the registration declares (``asyncflow plugins`` shows it). No value head: PPO critics are not supported yet.
 DECLARED_FEATURES = TrainFeatures(
     supports_values=False, supports_checkpoint=True, supports_hf_export=True, weight_transports=("inprocess",)
 )
+
+
+#: why trainer.lora is refused (one line; docs/adapters/megatron.md)
+LORA_REFUSAL = ("trainer.lora: the megatron trainer does not train LoRA adapters (supports_lora is false); use "
+                "trainer.name: fsdp for LoRA, or remove trainer.lora")
 
 
 class MegatronTrainConfig(BaseModel):
@@ -79,6 +85,11 @@ class MegatronTrainConfig(BaseModel):
     )
     export_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of exported weights (export_weights, export_pretrained); auto: the model's `dtype`."
+    )
+
+    lora: LoraSpec | None = Field(
+        None, description="Filled from trainer.lora, which this engine refuses (UnsupportedFeatureError): "
+        "megatron-core LoRA is not wired in; use the fsdp trainer for LoRA."
     )
 
     setup_timeout_s: float = Field(600.0, gt=0, description="Deadline for starting the ranks and building the model.")

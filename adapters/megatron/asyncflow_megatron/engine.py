@@ -34,7 +34,7 @@ from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_ran
 from asyncflow_core.types import Batch
 from asyncflow_megatron import hf_mapping as hm
 from asyncflow_megatron.checkpoint import load_problem
-from asyncflow_megatron.config import MegatronTrainConfig
+from asyncflow_megatron.config import LORA_REFUSAL, MegatronTrainConfig
 from asyncflow_megatron.versions import require_megatron
 
 #: imported by the forkserver once (start_method forkserver), so forking a rank skips the megatron import
@@ -67,6 +67,8 @@ class MegatronTrainEngine(RankEngineDriver, TrainEngine):
     engine_name = "megatron"
 
     def __init__(self, config: MegatronTrainConfig) -> None:
+        if config.lora is not None:
+            raise UnsupportedFeatureError(LORA_REFUSAL)
         self.config = config
         self._features = config.features()
         self._group: RankHandle | None = None
