@@ -73,6 +73,11 @@ class TrainEngine(abc.ABC):
         Tensor names are the Hugging Face parameter names the rollout engines
         load. Buckets come in index order, the last one has ``last=True``, each
         carries its checksum. Weights must not change while the iterator runs.
+
+        With LoRA on (``features.supports_lora`` and a ``lora`` option, see
+        :mod:`asyncflow_core.types.adapter`), version 0 is the whole base model
+        and every later version carries only the adapter's tensors (peft
+        state-dict names), received with ``collect_update(..., partial=names)``.
         """
 
     @abc.abstractmethod
