@@ -5,25 +5,28 @@ It is a composition of parts with one job each:
 - ``EnginePool`` (flow/engine_pool.py): replica states, load, death and restart, sleep/wake, abort-by-id;
 - ``StalenessGuard`` (flow/staleness.py): which replica may start, which generations are unusable;
 - ``WeightFollower`` (flow/weight_follower.py): weight loads per replica, with pause/abort if needed;
-- ``TrajectoryWriter`` (flow/trajectory_writer.py): the rollout columns, written in batches, and acks.
+- ``TrajectoryWriter`` (flow/trajectory_writer.py): the rollout columns, written in batches, and acks;
+- an episode factory (flow/episode.py): what a row's requests are and what a finished one means
+  (single-turn by default; multi-turn with an environment).
 
 The stage itself keeps the leasing, the dispatch of requests to replicas,
 the handling of each result (one per request: write, resume, re-queue or
-fail), and the busy-span telemetry.
+fail; for an episode, its environment step as a task of its own, so a slow
+tool never holds dispatch or other episodes' decoding), and the busy-span
+telemetry.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from asyncflow_core import columns as C
 from asyncflow_core.flow.engine_pool import EnginePool, Replica
+from asyncflow_core.flow.episode import EpisodeFactory, MultiTurn, Progress, SingleTurn, SingleTurnEpisodes
+from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re-exported (older imports)
 from asyncflow_core.flow.stage import Stage
 from asyncflow_core.flow.staleness import StalenessGuard
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
@@ -31,22 +34,11 @@ from asyncflow_core.flow.weight_follower import WeightFollower
 from asyncflow_core.interfaces import KVCachePolicy, RolloutEngine, WeightTransport
 from asyncflow_core.interfaces.store import BatchMeta
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, RaggedTensor, SamplingParams
+from asyncflow_core.types.episode import Trajectory
 
 log = logging.getLogger("asyncflow.flow")
 
 __all__ = ["ROLLOUT_OUT", "Replica", "RolloutStage"]
-
-
-def _as_tuple(values: Sequence[Any] | torch.Tensor) -> tuple:
-    """A result field (sequence or 1-D tensor) as a tuple of Python numbers, without a per-element loop.
-
-    Zero-width (lengths-only) values become that many empty entries: only their count means anything.
-    """
-    if isinstance(values, torch.Tensor):
-        if values.dim() > 1 and 0 in values.shape[1:]:
-            return ((),) * values.shape[0]
-        return tuple(values.tolist())
-    return tuple(values)
 
 
 @dataclass
@@ -55,26 +47,8 @@ class _Lease:
     remaining: int
 
 
-@dataclass
-class _Req:
-    row: int
-    lease: _Lease
-    prompt: tuple[int, ...]
-    group: int
-    attempt: int = 0
-    prefix_ids: tuple[int, ...] = ()
-    prefix_lps: tuple[float, ...] = ()
-    prefix_versions: tuple[int, ...] = ()
-    start_version: int = 0  #: oldest version its tokens can have (replica version at submission, or the prefix's)
-
-    @property
-    def request_id(self) -> str:
-        return f"row{self.row}-try{self.attempt}"
-
-    def restart(self) -> None:
-        """Start again from the prompt, as a new request."""
-        self.prefix_ids, self.prefix_lps, self.prefix_versions = (), (), ()
-        self.attempt += 1
+#: the single-turn episode (the request type of this stage before episodes)
+_Req = SingleTurn
 
 
 class RolloutStage(Stage):
@@ -87,6 +61,11 @@ class RolloutStage(Stage):
     each published version from the transport and applies it at a safe
     point, and the aborted requests are re-submitted with their tokens as a
     prefix when the engine can resume.
+
+    ``episodes`` makes each leased row's episode (default: single-turn, one
+    request per row). A multi-turn episode goes through the same dispatch
+    once per turn; between turns it waits on its environment in a task of its
+    own, holding no replica slot.
     """
 
     name = "rollout"
@@ -96,8 +75,10 @@ class RolloutStage(Stage):
     def __init__(
         self, replicas: list[RolloutEngine], transport: WeightTransport, sampling: SamplingParams, *,
         max_inflight: int, rows_per_lease: int, lease_s: float, write_interval_s: float, deadline_s: float,
-        kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE,
+        kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE, episodes: EpisodeFactory | None = None,
     ) -> None:
+        self.episodes = episodes if episodes is not None else SingleTurnEpisodes()
+        self.produces = tuple(self.episodes.columns)
         self.pool = EnginePool(replicas, max_inflight=max_inflight,
                                may_start=lambda r: self.guard.may_start(r.engine.version))
         self.follower = WeightFollower(transport, self.pool, deadline_s=deadline_s, kv_cache=kv_cache)
@@ -110,9 +91,11 @@ class RolloutStage(Stage):
         self.write_interval_s = write_interval_s
         self.deadline_s = deadline_s
         self.kv_cache = kv_cache
-        self._pending: list[_Req] = []
+        self._pending: list[SingleTurn] = []
+        self._in_env = 0  #: episodes waiting on their environment (reset or step): no slot, not pending
+        self._open: set[MultiTurn] = set()  #: episodes whose environment is open (closed when the run stops)
         self.writer = TrajectoryWriter(self.name, interval_s=write_interval_s, spawn=self._spawn,
-                                       on_written=self._poke)
+                                       on_written=self._poke, columns=self.produces)
         self._tasks: set[asyncio.Task] = set()
         self._busy_since: dict[int, float] = {}
         self._wake = asyncio.Event()  # dispatcher wake-up: slots freed, weights updated, version moved
@@ -200,28 +183,43 @@ class RolloutStage(Stage):
                 prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
                 gids = batch[C.GROUP_ID].tolist()
                 for i, row in enumerate(meta.row_ids.tolist()):
-                    self._pending.append(_Req(row, lease, tuple(prompts[i].tolist()), int(gids[i])))
+                    ep = self.episodes.new(row, lease, tuple(prompts[i].tolist()), int(gids[i]), ctx)
+                    if ep.multi_turn:
+                        self._begin(ep)
+                    else:
+                        self._pending.append(ep)
                 self._dispatch()
                 await asyncio.sleep(0)
             # stream ended: wait for what is in flight
-            await self._wait_until(lambda: self.pool.inflight_total == 0 and not self._pending)
+            await self._wait_until(lambda: self.pool.inflight_total == 0 and not self._pending and not self._in_env)
             await self.writer.flush()
         finally:
             for t in list(self._tasks):
                 t.cancel()
+            if self._open:  # environments of episodes cut short by the stop
+                await asyncio.gather(*(ep.close() for ep in list(self._open)), return_exceptions=True)
+                self._open.clear()
 
     def _dispatch(self) -> None:
         """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
         if not self._pending:
             return
-        per: dict[int, list[_Req]] = {}
+        if self.episodes.multi_turn:  # an episode whose earlier turns fell out of the bound while it waited
+            stale = [q for q in self._pending if self.guard.unusable(q.oldest_version())]
+            if stale:
+                self._pending = [q for q in self._pending if not self.guard.unusable(q.oldest_version())]
+                for q in stale:
+                    self._stale(q)
+                if not self._pending:
+                    return
+        per: dict[int, list[SingleTurn]] = {}
         assigned = 0
         aside: list[tuple[int, int]] = []
         for req in self._pending:
             r = self.pool.next_replica(aside)
             if r is None:
                 break
-            req.start_version = self.guard.start_version(r.engine.version, req.prefix_versions)
+            req.start_version = self.guard.start_version(r.engine.version, req.held_versions())
             self.pool.assign(r, req.request_id, req)
             per.setdefault(r.index, []).append(req)
             assigned += 1
@@ -232,13 +230,10 @@ class RolloutStage(Stage):
             self._mark_busy(r)
             self._spawn(self._drive(r, reqs))
 
-    def _request(self, req: _Req) -> GenerationRequest:
-        return GenerationRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt, sampling=self.sampling,
-            prefix_token_ids=req.prefix_ids, prefix_logprobs=req.prefix_lps, prefix_versions=req.prefix_versions,
-        )
+    def _request(self, req: SingleTurn) -> GenerationRequest:
+        return req.request(self.sampling)
 
-    async def _drive(self, r: Replica, reqs: list[_Req]) -> None:
+    async def _drive(self, r: Replica, reqs: list[SingleTurn]) -> None:
         waiting = {q.request_id: q for q in reqs}
         unknown: list[str] = []
         gen = r.generation
@@ -262,7 +257,7 @@ class RolloutStage(Stage):
             for q in orphans:
                 self.pool.release(r, q.request_id)
                 self.ctx.fail_rows(self.name, [q.row], why)
-                await self.writer.write(q, None)
+                await self._settle(q, None)
             self._mark_busy(r)
             self._dispatch()
             self._poke()
@@ -285,7 +280,7 @@ class RolloutStage(Stage):
         log.error("rollout replica %d died (%s: %s); re-queuing its %d requests", r.index, type(exc).__name__, exc,
                   len(orphans))
         for q in orphans:
-            q.restart()
+            q.retry_turn()  # an episode re-runs only the turn it was sampling (its environment is untouched)
             self._pending.append(q)
         if r.reviving:  # the engine can be replaced (a launcher's remote replica): do it, then reload weights
             self._spawn(self._revive(r))
@@ -321,45 +316,107 @@ class RolloutStage(Stage):
             return  # a request we already gave up on
         if res.finish_reason is FinishReason.ERROR:
             ctx.fail_rows(self.name, [req.row], res.error or "engine error")
-            await self.writer.write(req, None)
+            await self._settle(req, None)
         elif res.finish_reason is FinishReason.ABORT:
             if ctx.stop.is_set():
                 return
             self._resubmit(r, req, res)
-        elif self.guard.unusable(res.min_version):
+        elif self.guard.unusable(req.oldest_with(res)):  # an episode: its oldest token over every turn
             self._stale(req)
+        elif req.multi_turn:
+            req.take_turn(res)
+            self._in_env += 1
+            self._spawn(self._step(req))
         else:
             await self.writer.write(req, res)
         self._dispatch()
         self._poke()
 
-    def _resubmit(self, r: Replica, req: _Req, res: GenerationResult) -> None:
+    def _resubmit(self, r: Replica, req: SingleTurn, res: GenerationResult) -> None:
         ctx = self.ctx
-        fresh_prefix = not self.guard.unusable(res.min_version)
+        fresh_prefix = not self.guard.unusable(req.oldest_with(res))
         if len(res.token_ids) and fresh_prefix and r.engine.features.supports_resume_prefix:
-            req.prefix_ids = _as_tuple(res.token_ids)
-            req.prefix_lps = _as_tuple(res.logprobs)
-            req.prefix_versions = _as_tuple(res.versions)
+            req.resume(res)
             ctx.counters["resumed_partial"] += 1
-            req.attempt += 1
             self._pending.append(req)
         elif not fresh_prefix:
             self._stale(req)
         else:
-            req.restart()
+            req.retry_turn()
             ctx.counters["restarted_abort"] += 1
             self._pending.append(req)
 
-    def _stale(self, req: _Req) -> None:
-        """A generation that can no longer be used: start it again on fresh weights (requeue) or drop its group."""
+    def _stale(self, req: SingleTurn) -> None:
+        """A generation that can no longer be used: start it again on fresh weights (requeue) or drop its group.
+
+        An episode starts again from ``reset`` with a new environment (its earlier turns are unusable too).
+        """
         ctx = self.ctx
         if ctx.stale_policy == "drop":
             ctx.outcomes.stale(req.row)
-            self._spawn(self.writer.write(req, None))
+            if req.multi_turn:
+                ctx.counters["dropped_stale_episode"] += 1
+            self._spawn(self._settle(req, None))
+            return
+        if req.multi_turn:
+            ctx.counters["requeued_stale_episode"] += 1
+            self._begin(req, restart=True)
             return
         req.restart()
         ctx.counters["requeued_stale_rollout"] += 1
         self._pending.append(req)
+
+    # -- episodes: their environment calls run as tasks, holding no replica slot ----------------------
+
+    async def _settle(self, req: SingleTurn, out: GenerationResult | Trajectory | None) -> None:
+        """Write the row (None: a placeholder for a row settled without a result) and close its environment."""
+        await self.writer.write(req, out)
+        if req.multi_turn:
+            self._open.discard(req)
+            self._spawn(req.close())
+
+    def _begin(self, ep: MultiTurn, *, restart: bool = False) -> None:
+        """Open (or, on ``restart``, re-open) the episode's environment and reset it, as a task."""
+        self._in_env += 1
+        self._spawn(self._reset(ep, restart))
+
+    async def _reset(self, ep: MultiTurn, restart: bool) -> None:
+        try:
+            if restart:
+                await ep.close()
+                ep.restart()
+            self._open.add(ep)
+            progress = await ep.begin()
+        finally:
+            self._in_env -= 1
+        await self._after_env(ep, progress)
+
+    async def _step(self, ep: MultiTurn) -> None:
+        try:
+            progress = await ep.advance()
+        finally:
+            self._in_env -= 1
+        await self._after_env(ep, progress)
+
+    async def _after_env(self, ep: MultiTurn, progress: Progress) -> None:
+        ctx = self.ctx
+        if ctx.stop.is_set():
+            self._poke()
+            return
+        if progress is Progress.FAILED:
+            ctx.counters["episodes_failed"] += 1
+            ctx.fail_rows(self.name, [ep.row], ep.failure or "episode failed")
+            await self._settle(ep, None)
+        elif self.guard.unusable(ep.oldest_version()):  # the trainer moved on while the environment stepped
+            self._stale(ep)
+        elif progress is Progress.DONE:
+            ctx.counters["episodes_done"] += 1
+            ctx.counters["episode_turns"] += ep.turn
+            await self._settle(ep, ep.trajectory())
+        else:
+            self._pending.insert(0, ep)  # a running episode's next turn goes before new rows
+        self._dispatch()
+        self._poke()
 
     async def _stale_watch(self) -> None:
         """On every trainer version, abort in-flight requests that can no longer be used."""

@@ -4,6 +4,16 @@ A request is written once (its result, or None for a row settled without
 one: placeholder columns). Writes are batched: 64 rows at once, or
 whatever arrived within ``interval_s`` of the first; a lease is
 acknowledged once every row it carried was written.
+
+A multi-turn episode is written as a :class:`~asyncflow_core.types.episode.Trajectory`
+(the writer's ``columns`` then include :data:`asyncflow_core.columns.EPISODE_COLUMNS`):
+``response_ids`` are every token after the prompt, sampled and observed, in
+order; ``loss_mask`` is 1 on sampled tokens; observed tokens get log-prob 0
+and, in ``response_versions``, the version of the last sampled token before
+them (so a row's oldest version is its oldest sampled token's); ``turn_ids``
+number each token's turn; ``turn_rewards`` hold one reward per turn; the
+``episode_*`` columns the per-episode figures; ``reward`` the episode's
+reward when the environment owns it.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.interfaces.store import BatchMeta
 from asyncflow_core.types import FinishReason, GenerationResult, RaggedTensor
+from asyncflow_core.types.episode import Trajectory
 
 #: The columns the rollout writes per row.
 ROLLOUT_OUT = (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS, C.TRUNCATED)
@@ -32,16 +43,17 @@ class TrajectoryWriter:
     """
 
     def __init__(self, stage: str, *, interval_s: float, spawn: Callable[[Any], None],
-                 on_written: Callable[[], None]) -> None:
+                 on_written: Callable[[], None], columns: tuple[str, ...] = ROLLOUT_OUT) -> None:
         self.stage = stage
+        self.columns = columns  #: what each row gets: :data:`ROLLOUT_OUT`, plus the episode columns for episodes
         self.interval_s = interval_s
         self.spawn = spawn
         self.on_written = on_written
         self.ctx: Any = None  #: the run's context (store, version, counters), given by the owning stage's bind
-        self._buffer: list[tuple[Any, GenerationResult | None]] = []
+        self._buffer: list[tuple[Any, GenerationResult | Trajectory | None]] = []
         self._flush_scheduled = False
 
-    async def write(self, req: Any, res: GenerationResult | None) -> None:
+    async def write(self, req: Any, res: GenerationResult | Trajectory | None) -> None:
         self._buffer.append((req, res))
         if len(self._buffer) >= _BATCH_ROWS:
             await self.flush()
@@ -56,6 +68,25 @@ class TrajectoryWriter:
         ctx = self.ctx
         items, self._buffer = self._buffer, []
         rows = torch.tensor([q.row for q, _ in items], dtype=torch.int64)
+        if len(self.columns) > len(ROLLOUT_OUT):
+            cols, vrange, sampled = self._episode_columns(items)
+        else:
+            cols, vrange, sampled = self._result_columns(items)
+        await ctx.store.put(cols, rows=BatchMeta(row_ids=rows), versions=torch.tensor(vrange))
+        ctx.processed[self.stage] += len(items)
+        ctx.counters["tokens_generated"] += sampled
+        done: dict[int, Any] = {}
+        for q, _ in items:
+            q.lease.remaining -= 1
+            if q.lease.remaining == 0:
+                done[id(q.lease)] = q.lease
+        for lease in done.values():
+            await ctx.store.ack(lease.meta)
+        self.on_written()
+
+    def _result_columns(self, items: list) -> tuple[dict[str, Any], list[tuple[int, int]], int]:
+        """:data:`ROLLOUT_OUT` of single-turn results (packed without a per-token Python loop)."""
+        ctx = self.ctx
         ids, lps, vers, lengths, vrange, cut = [], [], [], [], [], []
         for _, res in items:
             cut.append(res is not None and res.finish_reason is FinishReason.LENGTH)
@@ -83,14 +114,75 @@ class TrajectoryWriter:
             C.RESPONSE_VERSIONS: RaggedTensor.from_lengths(torch.cat(vers), lens),
             C.TRUNCATED: torch.tensor(cut, dtype=torch.bool),
         }
-        await ctx.store.put(cols, rows=BatchMeta(row_ids=rows), versions=torch.tensor(vrange))
-        ctx.processed[self.stage] += len(items)
-        ctx.counters["tokens_generated"] += int(lens.sum())
-        done: dict[int, Any] = {}
-        for q, _ in items:
-            q.lease.remaining -= 1
-            if q.lease.remaining == 0:
-                done[id(q.lease)] = q.lease
-        for lease in done.values():
-            await ctx.store.ack(lease.meta)
-        self.on_written()
+        return cols, vrange, int(lens.sum())
+
+    def _episode_columns(self, items: list) -> tuple[dict[str, Any], list[tuple[int, int]], int]:
+        """:attr:`columns` of episodes (a :class:`Trajectory` per row; None: a placeholder row)."""
+        ctx = self.ctx
+        ids: list[int] = []
+        lps: list[float] = []
+        vers: list[int] = []
+        mask: list[bool] = []
+        turn: list[int] = []
+        lens, rlens, rewards, vrange, cut = [], [], [], [], []
+        turn_rewards: list[float] = []
+        dense: dict[str, list] = {c: [] for c in (C.EPISODE_TURNS, C.EPISODE_TOOL_CALLS, C.EPISODE_TOOL_OK,
+                                                  C.EPISODE_ENV_S, C.EPISODE_MASKED_FRAC)}
+        sampled_total = 0
+        for _, traj in items:
+            if traj is None:
+                traj = Trajectory(prompt_ids=())
+            if isinstance(traj, GenerationResult):
+                raise TypeError("an episode writer got a single-turn result; give it the episode's Trajectory")
+            n0 = len(ids)
+            carried: int | None = None
+            lo: int | None = None
+            hi: int | None = None
+            for seg in traj.segments:
+                k = len(seg.token_ids)
+                ids.extend(seg.token_ids)
+                mask.extend([seg.sampled] * k)
+                turn.extend([seg.turn] * k)
+                if seg.sampled:
+                    lps.extend(seg.logprobs)
+                    vers.extend(seg.versions)
+                    sampled_total += k
+                    if k:
+                        carried = seg.versions[-1]
+                        lo = min(seg.versions) if lo is None else min(lo, min(seg.versions))
+                        hi = max(seg.versions) if hi is None else max(hi, max(seg.versions))
+                else:
+                    if carried is None:
+                        raise ValueError("an episode's observed tokens must follow a sampled turn (the prompt is "
+                                         "prompt_ids)")
+                    lps.extend([0.0] * k)
+                    vers.extend([carried] * k)
+            lens.append(len(ids) - n0)
+            turn_rewards.extend(traj.turn_rewards)
+            rlens.append(len(traj.turn_rewards))
+            rewards.append(0.0 if traj.reward is None else float(traj.reward))
+            vrange.append((ctx.version if lo is None else lo, ctx.version if hi is None else hi))
+            info = traj.info
+            cut.append(bool(info.get("truncated", False)))
+            dense[C.EPISODE_TURNS].append(traj.turns)
+            dense[C.EPISODE_TOOL_CALLS].append(int(info.get("tool_calls", 0)))
+            dense[C.EPISODE_TOOL_OK].append(int(info.get("tool_ok", 0)))
+            dense[C.EPISODE_ENV_S].append(float(info.get("env_s", 0.0)))
+            n = len(ids) - n0
+            dense[C.EPISODE_MASKED_FRAC].append((n - sum(mask[n0:])) / n if n else 0.0)
+        lengths = torch.tensor(lens, dtype=torch.int64)
+        cols: dict[str, Any] = {
+            C.RESPONSE_IDS: RaggedTensor.from_lengths(torch.tensor(ids, dtype=torch.int64), lengths),
+            C.BEHAVIOR_LOGPROBS: RaggedTensor.from_lengths(torch.tensor(lps, dtype=torch.float32), lengths),
+            C.RESPONSE_VERSIONS: RaggedTensor.from_lengths(torch.tensor(vers, dtype=torch.int64), lengths),
+            C.TRUNCATED: torch.tensor(cut, dtype=torch.bool),
+            C.LOSS_MASK: RaggedTensor.from_lengths(torch.tensor(mask, dtype=torch.bool), lengths),
+            C.TURN_IDS: RaggedTensor.from_lengths(torch.tensor(turn, dtype=torch.int64), lengths),
+            C.TURN_REWARDS: RaggedTensor.from_lengths(torch.tensor(turn_rewards, dtype=torch.float32),
+                                                      torch.tensor(rlens, dtype=torch.int64)),
+        }
+        for name, values in dense.items():
+            cols[name] = torch.tensor(values, dtype=C.STANDARD_COLUMN_TYPES[name][1])
+        if C.REWARD in self.columns:
+            cols[C.REWARD] = torch.tensor(rewards, dtype=torch.float32)
+        return {c: cols[c] for c in self.columns}, vrange, sampled_total

@@ -56,3 +56,26 @@ def test_the_guard_agrees_with_the_rule(v, k, ev):
     # a request a replica may start now is not aborted at once
     if guard.may_start(ev):
         assert not guard.to_abort({"q": SimpleNamespace(start_version=ev)})
+
+
+@given(st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=4), min_size=1, max_size=4), st.integers(0, 9),
+       st.integers(0, 12), st.integers(0, 3))
+def test_an_episode_turn_is_as_old_as_the_oldest_token_of_every_turn_before_it(turns, engine_v, trainer_v, k):
+    """A multi-turn episode's next request starts no newer than its oldest sampled token (earlier turns included),
+    so the in-flight abort and the result check see the whole episode; single-turn rows are unchanged."""
+    from asyncflow_core.flow.episode import MultiTurn
+    from asyncflow_core.types import FinishReason, GenerationResult
+
+    ep = MultiTurn(0, None, (1,), 0)
+    for t, versions in enumerate(turns):
+        ep.take_turn(GenerationResult(f"t{t}", (1,), [2] * len(versions), [0.0] * len(versions), versions,
+                                      FinishReason.STOP))
+    oldest = min(v for vs in turns for v in vs)
+    run = SimpleNamespace(version=trainer_v, k=k)
+    guard = StalenessGuard(run)
+    start = guard.start_version(engine_v, ep.held_versions())
+    assert start == min(engine_v, oldest)
+    assert guard.to_abort({"r": SimpleNamespace(start_version=start)}) == (["r"] if trainer_v - start > k else [])
+    assert guard.unusable(ep.oldest_version()) == (trainer_v - oldest > k)
+    fresh = GenerationResult("n", (1,), [3], [0.0], [engine_v], FinishReason.STOP)
+    assert ep.oldest_with(fresh) == min(oldest, engine_v)

@@ -76,3 +76,47 @@ def test_64_rows_flush_at_once():
     asyncio.run(main())
     assert len(store.puts) == 1 and store.acks == ["L"]
     assert torch.equal(torch.tensor(store.puts[0][1]), torch.arange(64))
+
+
+def test_episodes_are_written_with_mask_turns_carried_versions_and_per_episode_columns():
+    from asyncflow_core.types.episode import Segment, Trajectory
+
+    store = FakeStore()
+    ctx = SimpleNamespace(store=store, version=5, processed=Counter(), counters=Counter())
+    cols_out = ROLLOUT_OUT + C.EPISODE_COLUMNS + (C.REWARD,)
+    w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
+                         on_written=lambda: None, columns=cols_out)
+    w.ctx = ctx
+    lease = SimpleNamespace(meta="L", remaining=2)
+    traj = Trajectory(prompt_ids=(1, 2), segments=[
+        Segment((10, 11), sampled=True, logprobs=(-0.5, -0.25), versions=(3, 4), turn=0),
+        Segment((20, 21, 22), sampled=False, turn=0),
+        Segment((12,), sampled=True, logprobs=(-1.0,), versions=(5,), turn=1),
+    ], turn_rewards=[0.5, 1.0], reward=1.5, info={"tool_calls": 2, "tool_ok": 1, "env_s": 0.25, "truncated": False})
+
+    async def main():
+        await w.write(SimpleNamespace(row=3, lease=lease), traj)
+        await w.write(SimpleNamespace(row=4, lease=lease), None)  # a failed episode: placeholder
+        await w.flush()
+
+    asyncio.run(main())
+    (cols, rows, vrange), = store.puts
+    assert tuple(cols) == cols_out and rows == [3, 4]
+    assert cols[C.RESPONSE_IDS].lengths.tolist() == [6, 0]
+    assert cols[C.RESPONSE_IDS].values.tolist() == [10, 11, 20, 21, 22, 12]
+    assert cols[C.LOSS_MASK].values.tolist() == [True, True, False, False, False, True]
+    assert cols[C.BEHAVIOR_LOGPROBS].values.tolist() == [-0.5, -0.25, 0.0, 0.0, 0.0, -1.0]
+    # observed tokens carry the version of the last sampled token before them: the row's min is the sampled min
+    assert cols[C.RESPONSE_VERSIONS].values.tolist() == [3, 4, 4, 4, 4, 5]
+    assert cols[C.TURN_IDS].values.tolist() == [0, 0, 0, 0, 0, 1]
+    assert cols[C.TURN_REWARDS].lengths.tolist() == [2, 0] and cols[C.TURN_REWARDS].values.tolist() == [0.5, 1.0]
+    assert cols[C.REWARD].tolist() == [1.5, 0.0]
+    assert cols[C.EPISODE_TURNS].tolist() == [2, 0] and cols[C.EPISODE_TOOL_CALLS].tolist() == [2, 0]
+    assert cols[C.EPISODE_TOOL_OK].tolist() == [1, 0] and cols[C.EPISODE_ENV_S].tolist() == [0.25, 0.0]
+    assert cols[C.EPISODE_MASKED_FRAC].tolist() == [0.5, 0.0]
+    assert vrange == [[3, 5], [5, 5]]
+    assert ctx.counters["tokens_generated"] == 3  # sampled tokens only
+    for name, col in cols.items():  # every column in the kind and dtype the standard table gives
+        kind, dtype = C.STANDARD_COLUMN_TYPES[name]
+        assert col.dtype == dtype and (kind == "dense") == isinstance(col, torch.Tensor), name
+    assert store.acks == ["L"]
