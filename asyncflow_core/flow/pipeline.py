@@ -86,6 +86,12 @@ def check_columns(stages: Sequence[Stage], *, readers: Mapping[str, str] | None 
                                       f"writes it as {have}; make the two declarations (column_types) agree")
 
 
+#: episode columns the train stage reads when the rollout writes them: the loss mask (the loss) and the dense
+#: per-episode figures (each step's metrics record)
+_EPISODE_TO_TRAINER = (C.LOSS_MASK, C.EPISODE_TURNS, C.EPISODE_TOOL_CALLS, C.EPISODE_TOOL_OK, C.EPISODE_ENV_S,
+                       C.EPISODE_MASKED_FRAC)
+
+
 @dataclass
 class Pipeline:
     """A run's stages in order, with the two the runtime drives directly."""
@@ -94,6 +100,7 @@ class Pipeline:
     rollout: RolloutStage
     train: TrainStage
     trainer_lock: asyncio.Lock  #: held for every trainer call (train step, proximal log-probs, canary, checkpoint)
+    reward_stage: Stage | None = None  #: the stage that scores rows (None: the environment owns the reward)
 
 
 @dataclass
@@ -146,14 +153,22 @@ class PipelinePlan:
             write_interval_s=cfg.pipeline.write_interval_s, deadline_s=cfg.weight_transport.deadline_s,
             kv_cache=KVCachePolicy(cfg.rollout.kv_cache), **dict(rollout_options or {}),
         )
-        reward_stage = self.reward_stage or RewardStage(
-            reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
-            batch_size=cfg.pipeline.reward_batch, reward_name=cfg.reward.name)
+        reward_stage: Stage | None
+        if C.REWARD in rollout.produces:  # episodes of an environment that owns the reward: it is written with them
+            if self.reward_stage is not None:
+                raise ConfigError("pipeline.replace.reward: the environment owns the reward (features.owns_reward), "
+                                  "so no reward stage runs; remove pipeline.replace.reward or use an environment "
+                                  "that leaves the reward to a reward plugin")
+            reward_stage = None
+        else:
+            reward_stage = self.reward_stage or RewardStage(
+                reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
+                batch_size=cfg.pipeline.reward_batch, reward_name=cfg.reward.name)
         added = [*self.plugins, *extra_stages]
         stages: list[Stage] = [
             PromptFeeder(dataset, tokenizer, epochs=cfg.data.epochs, shuffle=cfg.data.shuffle, seed=cfg.seed,
                          max_prompts=cfg.trainer.total_steps * B),
-            rollout, reward_stage, *added,
+            rollout, *([reward_stage] if reward_stage is not None else []), *added,
         ]
         names = [st.name for st in stages]
         if len(set(names)) != len(names):
@@ -170,6 +185,8 @@ class PipelinePlan:
                                        batch_size=cfg.pipeline.logprob_batch, values=self.needs_values, lock=lock))
         inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
         inputs += [c for st in added for c in st.produces]  # every added stage sees a sample first
+        # episodes: the trainer gets the loss mask, and each step's record the per-episode figures (dense, small)
+        inputs += [c for c in rollout.produces if c in _EPISODE_TO_TRAINER and c not in inputs]
         # a lease takes every whole group that is ready, up to one step's worth (partial: it never waits for
         # more): one store round trip per batch of groups, which an actor-backed store (ray) pays per call
         stages.append(AdvantageStage(algorithm, inputs, n=n, groups_per_lease=B))
@@ -182,4 +199,4 @@ class PipelinePlan:
         stages.append(train)
         readers = {"train": f"algorithm {cfg.algorithm.name!r}", "advantage": f"algorithm {cfg.algorithm.name!r}"}
         check_columns(stages, readers=readers)
-        return Pipeline(stages, rollout, train, lock)
+        return Pipeline(stages, rollout, train, lock, reward_stage)

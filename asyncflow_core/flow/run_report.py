@@ -14,6 +14,7 @@ from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.reward_stage import reward_extras
 from asyncflow_core.flow.stage import FlowContext, Stage
 from asyncflow_core.flow.telemetry import MetricsWriter, Timeline, gantt_png, reward_png
+from asyncflow_core.types import Batch
 
 __all__ = ["StepLogger", "run_summary", "scalar_sinks", "steady_rate", "write_run_files"]
 
@@ -74,6 +75,7 @@ class StepLogger:
         self._last_counters = counters
         hist = Counter(lag.tolist())
         extra = reward_extras(self.reward_stage, batch)
+        episodes = episode_figures(batch)
         util = ctx.timeline.utilisation(self._last_end, now)
         record = {
             "step": version + 1,
@@ -81,6 +83,7 @@ class StepLogger:
             "step_seconds": width,
             "reward_mean": float(batch[C.REWARD].float().mean()),
             **{f"reward/{k}": v for k, v in extra.items()},
+            **{f"episode/{k}": v for k, v in episodes.items()},
             "samples": batch.num_rows,
             "tokens": tokens,
             "tokens_per_s": tokens / width if width > 0 else 0.0,
@@ -162,3 +165,21 @@ def write_run_files(run_dir: Path, summary: dict[str, Any], timeline: Timeline, 
     if write_png:
         gantt_png(timeline.spans and [s.__class__(s.lane, s.name, s.start - timeline.t0, s.end - timeline.t0)
                                       for s in timeline.spans] or [], run_dir / "timeline.png", title=title)
+
+
+def episode_figures(batch: Batch) -> dict[str, float]:
+    """Means over a step's episodes (multi-turn rollouts): turns, tool calls and their success rate, seconds in
+    the environment, the fraction of response tokens the loss skips. Empty for single-turn batches."""
+    if C.EPISODE_TURNS not in batch or batch.num_rows == 0:
+        return {}
+    out = {"turns": float(batch[C.EPISODE_TURNS].float().mean())}
+    if C.EPISODE_TOOL_CALLS in batch:
+        calls = float(batch[C.EPISODE_TOOL_CALLS].sum())
+        out["tool_calls"] = calls / batch.num_rows
+        if C.EPISODE_TOOL_OK in batch and calls:
+            out["tool_ok_rate"] = float(batch[C.EPISODE_TOOL_OK].sum()) / calls
+    if C.EPISODE_ENV_S in batch:
+        out["env_s"] = float(batch[C.EPISODE_ENV_S].float().mean())
+    if C.EPISODE_MASKED_FRAC in batch:
+        out["masked_frac"] = float(batch[C.EPISODE_MASKED_FRAC].float().mean())
+    return out

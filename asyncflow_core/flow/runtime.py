@@ -19,6 +19,7 @@ hold the rows the bound lets be in flight. The stages are built by
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from asyncflow_core.config.loader import ResolvedConfig
 from asyncflow_core.config.redact import default_redactor, install_log_redaction, redact_config
 from asyncflow_core.errors import ConfigError, EngineError
 from asyncflow_core.flow.canary import Canary
+from asyncflow_core.flow.episode import build_episodes
 from asyncflow_core.flow.checkpoint import Checkpointer, CheckpointState, latest_checkpoint
 from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.ledger import Ledger
@@ -67,6 +69,16 @@ def check_off_policy(k: int, algorithm: Any) -> None:
             f"async.max_staleness={k} needs behavior log-probs in the loss, but the algorithm does not read "
             f"{C.BEHAVIOR_LOGPROBS!r}; use an algorithm with an off-policy correction or async.mode: sync"
         )
+
+
+def check_lora(cfg: Any, trainer: Any, replicas: list[Any]) -> None:
+    """``trainer.lora`` needs a trainer that trains adapters and rollout engines that apply adapter-only updates."""
+    if not getattr(trainer.features, "supports_lora", False):
+        raise ConfigError(f"trainer.lora: trainer {cfg.trainer.name!r} does not support LoRA (supports_lora is false); "
+                          "use trainer.name: fsdp, or unset trainer.lora")
+    if replicas and not getattr(replicas[0].features, "supports_adapter_updates", False):
+        raise ConfigError(f"trainer.lora: rollout engine {cfg.rollout.name!r} cannot apply adapter-only updates "
+                          "(supports_adapter_updates is false); use rollout.name: torch or vllm, or unset trainer.lora")
 
 
 class FlowRuntime:
@@ -162,7 +174,7 @@ class FlowRuntime:
             return {"model": cfg.model}
         if section == "trainer":
             return {"model": cfg.model, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                    "top_k": cfg.rollout.top_k}
+                    "top_k": cfg.rollout.top_k, "lora": cfg.trainer.lora}
         return {}
 
     def _create(self, section: str, *, role: str | None = None, index: int = 0, **update: Any) -> Any:
@@ -256,6 +268,8 @@ class FlowRuntime:
                 "value head; enable one in trainer.options (fsdp: value_head: true) or pick a critic-free algorithm"
             )
         replicas = [self._create("rollout", index=i, **self._replica_options(i)) for i in range(cfg.rollout.replicas)]
+        if cfg.trainer.lora is not None:
+            check_lora(cfg, trainer, replicas)
         reward = self._create("reward")
         ref_engine = self._create("trainer", role="ref") if plan.needs_ref else None
 
@@ -269,12 +283,14 @@ class FlowRuntime:
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                   stop_token_ids=stop_token_ids(cfg.model, tokenizer))
+        episodes = build_episodes(self.resolved, tokenizer, stop_ids=sampling.stop_token_ids)
         pipe = plan.build(dataset=dataset, tokenizer=tokenizer, replicas=replicas, transport=transport,
                           sampling=sampling, reward=reward, trainer=trainer, ref_engine=ref_engine,
-                          canary=lambda rollout, lock: self._canary(rollout, trainer, lock, sampling, ctx))
+                          canary=lambda rollout, lock: self._canary(rollout, trainer, lock, sampling, ctx),
+                          rollout_options={"episodes": episodes})
         stages, rollout, train = pipe.stages, pipe.rollout, pipe.train
         step_log = StepLogger(ctx, metrics, self.progress, cfg.trainer.total_steps,
-                              sinks=scalar_sinks(cfg, self.run_dir), reward_stage=stages[2])
+                              sinks=scalar_sinks(cfg, self.run_dir), reward_stage=pipe.reward_stage)
         # VersionPublished subscribers after the context's wake-up (weight sync), in this order (flow/events.py)
         canary = train.canary
         if canary is not None:
@@ -293,6 +309,8 @@ class FlowRuntime:
             if ref_engine is not None:
                 await ref_engine.setup()
             for r in replicas:
+                if cfg.trainer.lora is not None:  # before start: an engine may size its LoRA slots when it loads
+                    r.configure_adapter(cfg.trainer.lora)
                 await r.start()
             for st in stages:
                 st.bind(ctx)
@@ -307,6 +325,8 @@ class FlowRuntime:
             step_log.started()  # step 1's width starts now, not before the engines' start-up
 
         async def stop(clean: bool) -> None:
+            with contextlib.suppress(Exception):  # the environment pool's workers (multi-turn episodes)
+                await episodes.close()
             await teardown(cfg, ctx, canary=canary, rollout=rollout, step_log=step_log, store=store,
                            transport=transport, replicas=replicas, reward=reward, trainer=trainer,
                            ref_engine=ref_engine, metrics=metrics, run_dir=self.run_dir, export=clean)
