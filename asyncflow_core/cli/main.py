@@ -221,6 +221,10 @@ from asyncflow_core.cli.plan import plan_cmd  # registered here, implemented the
 
 app.command("plan")(plan_cmd)
 
+from asyncflow_core.cli.eval import eval_cmd  # noqa: E402 - registered here, implemented there
+
+app.command("eval")(eval_cmd)
+
 
 @app.command("trace")
 def trace_cmd(

@@ -11,6 +11,7 @@ from typing import Any
 
 from asyncflow_core.errors import UnsupportedFeatureError
 from asyncflow_core.flow.stage import FlowContext, Stage
+from asyncflow_core.flow.final_model import complete_final_model
 
 log = logging.getLogger("asyncflow.flow")
 
@@ -82,6 +83,9 @@ async def teardown(cfg: Any, ctx: FlowContext, *, canary: Any, rollout: Any, ste
     if cfg.trainer.export_final and run_dir is not None and export and trainer.version > 0:
         try:
             await trainer.export_pretrained(run_dir / "final_model")
+            # the checkpoint's tokenizer, chat template and generation config go with it: final_model/ loads with
+            # AutoModelForCausalLM and AutoTokenizer and renders the same prompts
+            complete_final_model(cfg.model, run_dir / "final_model")
         except UnsupportedFeatureError:
             pass
         except Exception as exc:  # noqa: BLE001 - the run's results are already safe

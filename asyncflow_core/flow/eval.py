@@ -1,0 +1,556 @@
+"""Validation pinned to a weight version: which versions to evaluate, the eval requests, and their metrics.
+
+Async training has no quiet window for validation, so every evaluation here
+names the one weight version it measured, and proves it: each token of each
+eval completion must carry exactly that version (``GenerationResult.versions``).
+
+The parts, each with one job:
+
+- :class:`EvalScheduler` (a ``VersionPublished`` subscriber): on every
+  ``eval.every_steps``-th version (and version 0 / the last one with
+  ``at_start`` / ``at_end``) it adds an :class:`EvalRound` for that version to
+  the queue;
+- :class:`EvalRequests`: the queue the rollout stage draws eval requests from.
+  ``take(replica, replica_version, free)`` hands a replica eval requests only
+  when its weights are the round's version (the first replica to reach a
+  version at or after the requested one pins the round to its version, when
+  the requested one was skipped), at most ``eval.priority`` of its slots;
+  ``hold(replica, replica_version)`` says the replica must not load newer
+  weights yet (its share of a round is not done);
+- :class:`Evaluator`: scores a finished round with the run's reward, computes
+  pass@1 / pass@k (the unbiased estimator), mean reward, mean length and
+  format rate per eval set, refuses (counts and leaves out) completions with a
+  token of another version, and writes one record per round to
+  ``metrics.jsonl`` (tagged ``eval_version``), TensorBoard / W&B when the run
+  logs there, and ``eval.png`` (the curve against the version).
+
+Eval rows never enter the store: their prompts are encoded here and their
+completions go straight from the engine to the evaluator, so no training
+stage can lease them. :func:`run_pinned` drives a round on engines without a
+training run (``asyncflow eval``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.events import VersionPublished
+from asyncflow_core.flow.telemetry import MetricsWriter, load_metrics
+from asyncflow_core.flow.tokenizer import encode_record
+from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, RewardInput, SamplingParams
+
+log = logging.getLogger("asyncflow.flow")
+
+#: request ids of eval requests start with this (the rollout stage tells them from training rows by it)
+EVAL_PREFIX = "eval-"
+
+
+# ------------------------------------------------------------------------------------------------ sets
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One prompt of an eval set, encoded once."""
+
+    label: str  #: the set's label
+    index: int  #: position in the set
+    prompt_ids: tuple[int, ...]
+    record: Any  #: the dataset's PromptRecord (prompt text and metadata for the reward)
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    label: str
+    prompts: list[EvalPrompt]
+
+
+def record_key(record: Any) -> str:
+    """What makes two prompts the same for the overlap check: the chat, else the prompt text."""
+    messages = record.metadata.get("messages") if isinstance(record.metadata, Mapping) else None
+    if messages:
+        return json.dumps(messages, sort_keys=True)
+    return record.prompt if record.prompt else json.dumps(list(record.prompt_token_ids))
+
+
+def _label(comp: Any, options: Any, i: int) -> str:
+    if comp.label:
+        return comp.label
+    path = getattr(options, "path", None)
+    return Path(path).stem if path else f"set{i}"
+
+
+def load_eval_sets(resolved: Any, tokenizer: Any, train_dataset: Any | None = None) -> list[EvalSet]:
+    """The ``eval.datasets`` built by their plugins and encoded (chat rendered) once.
+
+    Logs one warning line per set that shares prompts with ``train_dataset``.
+    """
+    cfg = resolved.config.eval
+    if cfg is None:
+        return []
+    train_keys = ({record_key(train_dataset[i]) for i in range(len(train_dataset))} if train_dataset is not None
+                  else set())
+    sets: list[EvalSet] = []
+    for i, comp in enumerate(cfg.datasets):
+        where = f"eval.datasets[{i}]"
+        resolved_comp = resolved.components.get(where)
+        if resolved_comp is None:
+            raise ConfigError(f"{where}: no dataset plugin {comp.name!r} is installed")
+        dataset = resolved_comp.create()
+        label = _label(comp, resolved_comp.options, i)
+        count = len(dataset) if comp.max_prompts is None else min(len(dataset), comp.max_prompts)
+        if count == 0:
+            raise ConfigError(f"{where}: the eval set is empty; point its options at a file with prompts")
+        prompts = [EvalPrompt(label, j, encode_record(tokenizer, dataset[j]), dataset[j]) for j in range(count)]
+        if any(s.label == label for s in sets):
+            raise ConfigError(f"{where}: two eval sets are labelled {label!r}; give each a distinct label")
+        shared = sum(record_key(p.record) in train_keys for p in prompts)
+        if shared:
+            log.warning("eval set %r: %d of its %d prompts also appear in the training data; its scores "
+                        "overstate held-out accuracy (remove them from one of the files)", label, shared, count)
+        sets.append(EvalSet(label, prompts))
+    return sets
+
+
+def eval_sampling(cfg: Any, rollout: Any, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+    """The sampling parameters of eval requests: the eval section's, the rollout's where it leaves them unset."""
+    return SamplingParams(max_new_tokens=cfg.max_new_tokens or rollout.max_new_tokens, temperature=cfg.temperature,
+                          top_p=cfg.top_p, top_k=rollout.top_k, stop_token_ids=stop_token_ids)
+
+
+# ---------------------------------------------------------------------------------------------- rounds
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One eval completion to make: prompt ``prompt`` of its set, sample ``sample``."""
+
+    request_id: str
+    prompt: EvalPrompt
+    sample: int
+
+
+@dataclass
+class EvalRound:
+    """The completions of every eval prompt at one weight version."""
+
+    requested: int  #: the version asked for
+    items: list[EvalItem]
+    version: int | None = None  #: the version the round runs at (pinned by the first replica that takes work)
+    label_version: int | None = None  #: the version written in the record, when it is not ``version``
+    pending: deque[EvalItem] = field(default_factory=deque)
+    inflight: dict[int, dict[str, EvalItem]] = field(default_factory=dict)  #: replica -> request id -> item
+    results: dict[str, GenerationResult] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  #: request id -> why
+    mismatched: dict[str, str] = field(default_factory=dict)  #: request id -> versions its tokens had
+    by_id: dict[str, EvalItem] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pending.extend(self.items)
+        self.by_id = {it.request_id: it for it in self.items}
+
+    @property
+    def finished(self) -> bool:
+        return len(self.results) + len(self.failed) + len(self.mismatched) == len(self.items)
+
+    def inflight_on(self, replica: int) -> int:
+        return len(self.inflight.get(replica, ()))
+
+
+def make_round(version: int, sets: Sequence[EvalSet], samples_per_prompt: int) -> EvalRound:
+    items = [EvalItem(f"{EVAL_PREFIX}v{version}-{p.label}-{p.index}-{s}", p, s)
+             for st in sets for p in st.prompts for s in range(samples_per_prompt)]
+    return EvalRound(version, items)
+
+
+class EvalRequests:
+    """Eval requests waiting for a replica whose weights are exactly their round's version.
+
+    ``max_inflight`` is a replica's slot count; ``priority`` the share of them
+    eval may take (at least one slot). ``on_complete(round)`` is called (and
+    awaited) when every item of a round has a result or failed.
+    """
+
+    def __init__(self, sampling: SamplingParams, *, max_inflight: int, priority: float,
+                 on_complete: Callable[[EvalRound], Awaitable[None] | None] | None = None) -> None:
+        self.sampling = sampling
+        self.quota = max(1, int(priority * max_inflight))
+        self.rounds: list[EvalRound] = []
+        self.on_complete = on_complete
+        self._owner: dict[str, EvalRound] = {}
+
+    # -- queue ---------------------------------------------------------------------------------------
+
+    def add(self, rnd: EvalRound) -> EvalRound:
+        self.rounds.append(rnd)
+        for it in rnd.items:
+            self._owner[it.request_id] = rnd
+        return rnd
+
+    @staticmethod
+    def owns(request_id: str) -> bool:
+        """Whether ``request_id`` is an eval request (the rollout stage routes its result here)."""
+        return request_id.startswith(EVAL_PREFIX)
+
+    @property
+    def outstanding(self) -> bool:
+        """Some round is not finished."""
+        return bool(self.rounds)
+
+    def inflight_on(self, replica: int) -> int:
+        return sum(r.inflight_on(replica) for r in self.rounds)
+
+    def take(self, replica: int, replica_version: int, free: int) -> list[GenerationRequest]:
+        """Eval requests for ``replica`` (weights at ``replica_version``, ``free`` slots), within its eval quota.
+
+        Only a round pinned at ``replica_version`` gives work, or an unpinned
+        round asking for a version at or before it, which this call pins.
+        """
+        room = min(free, self.quota - self.inflight_on(replica))
+        out: list[GenerationRequest] = []
+        for rnd in self.rounds:
+            if room <= 0:
+                break
+            if not rnd.pending:
+                continue
+            if rnd.version is None:
+                if replica_version < rnd.requested:
+                    continue
+                if replica_version != rnd.requested:
+                    log.info("eval of version %d runs at version %d (the replicas skipped %d)", rnd.requested,
+                             replica_version, rnd.requested)
+                rnd.version = replica_version
+            elif rnd.version != replica_version:
+                continue
+            mine = rnd.inflight.setdefault(replica, {})
+            while rnd.pending and room > 0:
+                it = rnd.pending.popleft()
+                mine[it.request_id] = it
+                out.append(GenerationRequest(request_id=it.request_id, prompt_token_ids=it.prompt.prompt_ids,
+                                             sampling=self.sampling))
+                room -= 1
+        return out
+
+    def hold(self, replica: int, replica_version: int) -> bool:
+        """Whether ``replica`` must keep its weights: a round at its version has work in flight on it, or
+        pending work it was already serving."""
+        for rnd in self.rounds:
+            serving = rnd.inflight_on(replica) or (rnd.pending and replica in rnd.inflight)
+            if rnd.version == replica_version and serving:
+                return True
+        return False
+
+    # -- results -------------------------------------------------------------------------------------
+
+    async def result(self, replica: int, res: GenerationResult) -> None:
+        """A result of an eval request from ``replica``: kept, re-queued (aborted) or failed."""
+        rnd = self._owner.get(res.request_id)
+        if rnd is None:
+            return
+        item = rnd.inflight.get(replica, {}).pop(res.request_id, None)
+        if item is None:
+            return  # given up already
+        if res.finish_reason is FinishReason.ABORT:
+            rnd.pending.appendleft(item)  # the same version again (a replica still at it takes it)
+            return
+        if res.finish_reason is FinishReason.ERROR:
+            rnd.failed[item.request_id] = res.error or "engine error"
+        else:
+            versions = res.versions.tolist() if isinstance(res.versions, torch.Tensor) else list(res.versions)
+            other = sorted({int(v) for v in versions} - {rnd.version})
+            if other:
+                rnd.mismatched[item.request_id] = f"tokens of versions {other}"
+            else:
+                rnd.results[item.request_id] = res
+        await self._maybe_done(rnd)
+
+    async def requeue(self, replica: int) -> None:
+        """``replica`` died: its eval requests go back to their rounds' queues."""
+        for rnd in self.rounds:
+            for it in rnd.inflight.pop(replica, {}).values():
+                rnd.pending.appendleft(it)
+
+    async def expire(self, oldest_served: int) -> None:
+        """No live replica holds a version below ``oldest_served``: rounds pinned there fail what is left."""
+        for rnd in list(self.rounds):
+            if rnd.version is not None and rnd.version < oldest_served and not any(rnd.inflight.values()):
+                while rnd.pending:
+                    it = rnd.pending.popleft()
+                    rnd.failed[it.request_id] = f"no replica serves version {rnd.version} any more"
+                await self._maybe_done(rnd)
+
+    async def _maybe_done(self, rnd: EvalRound) -> None:
+        if not rnd.finished or rnd not in self.rounds:
+            return
+        self.rounds.remove(rnd)
+        for it in rnd.items:
+            self._owner.pop(it.request_id, None)
+        if rnd.mismatched:
+            log.warning("eval of version %s: %d completions had tokens of another version and were left out",
+                        rnd.version, len(rnd.mismatched))
+        if self.on_complete is not None:
+            done = self.on_complete(rnd)
+            if inspect.isawaitable(done):
+                await done
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one prompt with ``c`` of ``n`` samples correct: 1 - C(n-c, k) / C(n, k)."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def set_metrics(scored: list[tuple[int, float, int, float | None]], *, metrics: Sequence[str], k: int,
+                threshold: float) -> dict[str, float]:
+    """Metrics of one set from ``(prompt index, reward, completion tokens, answer_found or None)`` per sample."""
+    per: dict[int, list[float]] = {}
+    for idx, reward, _, _ in scored:
+        per.setdefault(idx, []).append(reward)
+    out: dict[str, float] = {}
+    for m in metrics:
+        if m.startswith("pass@"):
+            kk = k if m == "pass@k" else int(m[5:])
+            name = f"pass@{kk}"
+            vals = [pass_at_k(len(rs), sum(r >= threshold for r in rs), kk) for rs in per.values() if len(rs) >= kk]
+            if vals:
+                out[name] = sum(vals) / len(vals)
+        elif m == "mean_reward" and scored:
+            out[m] = sum(s[1] for s in scored) / len(scored)
+        elif m == "mean_length" and scored:
+            out[m] = sum(s[2] for s in scored) / len(scored)
+        elif m == "format_rate":
+            found = [s[3] for s in scored if s[3] is not None]
+            if found:
+                out[m] = sum(found) / len(found)
+    return out
+
+
+class Evaluator:
+    """Scores finished rounds with the run's reward, and writes their metrics (see the module docstring)."""
+
+    def __init__(self, reward: Any, tokenizer: Any, config: Any, *, writer: MetricsWriter | None = None,
+                 sinks: Sequence[Callable[[int, dict[str, float]], Any]] = (), run_dir: Path | None = None,
+                 timeout_s: float = 60.0, png: bool = True, clock: Callable[[], float] | None = None) -> None:
+        self.reward = reward
+        self.tokenizer = tokenizer
+        self.config = config
+        self.writer = writer
+        self.sinks = list(sinks)
+        self.run_dir = run_dir
+        self.timeout_s = timeout_s
+        self.png = png
+        self.clock = clock
+        self.records: list[dict[str, Any]] = []
+        #: fields added to every record (``asyncflow eval``: where the weights came from)
+        self.tags: dict[str, Any] = {}
+
+    async def _score(self, samples: list[RewardInput]) -> list[tuple[bool, Any]]:
+        score_many = getattr(self.reward, "score_many", None)
+        if callable(score_many):
+            return list(await score_many(samples, self.timeout_s))
+        out = []
+        for s in samples:
+            try:
+                value = self.reward.score(s)
+                if inspect.isawaitable(value):
+                    value = await asyncio.wait_for(value, self.timeout_s)
+                out.append((True, value))
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError:
+                out.append((False, f"timed out after {self.timeout_s}s"))
+            except Exception as exc:  # noqa: BLE001 - counted as a failed eval sample
+                out.append((False, f"{type(exc).__name__}: {exc}"))
+        return out
+
+    async def evaluate(self, rnd: EvalRound) -> dict[str, Any]:
+        """The round's metrics record (written where the run writes metrics); returned too."""
+        cfg = self.config
+        done = [(rnd.by_id[rid], res) for rid, res in rnd.results.items()]
+        samples = []
+        for it, res in done:
+            ids = res.token_ids.tolist() if isinstance(res.token_ids, torch.Tensor) else list(res.token_ids)
+            rec = it.prompt.record
+            samples.append(RewardInput(prompt=rec.prompt, completion=self.tokenizer.decode(ids),
+                                       prompt_token_ids=it.prompt.prompt_ids, completion_token_ids=tuple(ids),
+                                       metadata=dict(rec.metadata)))
+        answers = await self._score(samples)
+        by_set: dict[str, list[tuple[int, float, int, float | None]]] = {}
+        failed: dict[str, int] = {}
+        for it in rnd.items:
+            by_set.setdefault(it.prompt.label, [])
+        for rid in list(rnd.failed) + list(rnd.mismatched):
+            failed[rnd.by_id[rid].prompt.label] = failed.get(rnd.by_id[rid].prompt.label, 0) + 1
+        for (it, res), (ok, value) in zip(done, answers, strict=True):
+            found = None
+            if ok and isinstance(value, Mapping):
+                found = float(value["answer_found"]) if "answer_found" in value else None
+                value = value.get("reward")
+            try:
+                reward = float(value) if ok else math.nan
+            except (TypeError, ValueError):
+                reward = math.nan
+            if not math.isfinite(reward):
+                failed[it.prompt.label] = failed.get(it.prompt.label, 0) + 1
+                continue
+            by_set[it.prompt.label].append((it.prompt.index, reward, len(res.token_ids), found))
+        version = rnd.label_version if rnd.label_version is not None else rnd.version
+        requested = rnd.requested if rnd.label_version is None else rnd.label_version
+        record: dict[str, Any] = {"eval_version": version, "eval_requested": requested, **self.tags}
+        if self.clock is not None:
+            record["time_s"] = self.clock()
+        for label, scored in by_set.items():
+            values = set_metrics(scored, metrics=cfg.metrics, k=cfg.samples_per_prompt, threshold=cfg.pass_threshold)
+            record.update({f"eval/{label}/{k}": v for k, v in values.items()})
+            record[f"eval/{label}/samples"] = len(scored)
+            record[f"eval/{label}/failed"] = failed.get(label, 0)
+        record["eval/version_mismatch"] = len(rnd.mismatched)
+        self.records.append(record)
+        if self.writer is not None:
+            self.writer.write(record)
+        scalars = {k: float(v) for k, v in record.items() if k.startswith("eval/") and isinstance(v, (int, float))}
+        for sink in self.sinks:
+            sink(int(version or 0), scalars)
+        if self.png and self.run_dir is not None:
+            eval_png(self.run_dir, self.records)
+        return record
+
+
+def eval_records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every eval record of a run: ``metrics.jsonl``'s (during training) and ``eval.jsonl``'s (``asyncflow eval``)."""
+    out: list[dict[str, Any]] = []
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        path = run_dir / name
+        if path.is_file():
+            out += [r for r in load_metrics(path) if "eval_version" in r]
+    return out
+
+
+def eval_png(run_dir: Path, records: list[dict[str, Any]] | None = None, *, path: Path | None = None) -> Path | None:
+    """``eval.png``: every eval metric that is a rate or a reward, per set, against the version evaluated."""
+    records = eval_records(run_dir) if records is None else records
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        for key, v in r.items():
+            if key.startswith("eval/") and key.rsplit("/", 1)[-1] not in ("samples", "failed", "mean_length") \
+                    and key != "eval/version_mismatch" and isinstance(v, (int, float)):
+                series.setdefault(key.removeprefix("eval/"), []).append((int(r["eval_version"]), float(v)))
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in sorted(series.items()):
+        pts = sorted(dict(pts).items())  # one point per version (the newest record wins)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    ax.set_xlabel("weight version (steps trained)")
+    ax.set_ylabel("eval metric")
+    ax.set_title("validation, pinned per version")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = path or run_dir / "eval.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+# -------------------------------------------------------------------------------------------- scheduling
+
+
+class EvalScheduler:
+    """Adds a round for every due version (a ``VersionPublished`` subscriber)."""
+
+    def __init__(self, config: Any, sets: Sequence[EvalSet], queue: EvalRequests, *, total_steps: int) -> None:
+        self.config = config
+        self.sets = list(sets)
+        self.queue = queue
+        self.total_steps = total_steps
+        self.asked: list[int] = []
+
+    def due(self, version: int) -> bool:
+        cfg = self.config
+        if version == 0:
+            return cfg.at_start
+        if cfg.every_steps and version % cfg.every_steps == 0:
+            return True
+        return cfg.at_end and version == self.total_steps
+
+    def ask(self, version: int) -> EvalRound | None:
+        if not self.due(version) or version in self.asked:
+            return None
+        self.asked.append(version)
+        return self.queue.add(make_round(version, self.sets, self.config.samples_per_prompt))
+
+    def start(self) -> None:
+        """Before the first step: the round of version 0 when ``at_start``."""
+        self.ask(0)
+
+    async def on_version_published(self, event: VersionPublished) -> None:
+        self.ask(event.version)
+
+
+# --------------------------------------------------------------------------------------- without training
+
+
+async def run_pinned(engines: Sequence[Any], queue: EvalRequests, *, max_inflight: int) -> None:
+    """Drive every round of ``queue`` on ``engines`` (no training beside them) until all are finished."""
+
+    async def drive(i: int, engine: Any) -> None:
+        while queue.outstanding:
+            reqs = queue.take(i, engine.version, max_inflight - queue.inflight_on(i))
+            if not reqs:
+                v = engine.version
+                if not any(r.pending and (r.version == v or (r.version is None and r.requested <= v))
+                           for r in queue.rounds):
+                    return  # nothing here for this replica's version
+                await asyncio.sleep(0.01)
+                continue
+            waiting = {q.request_id for q in reqs}
+            async for res in engine.generate(reqs):
+                waiting.discard(res.request_id)
+                await queue.result(i, res)
+            for rid in waiting:  # the contract is one result per request: fail what got none
+                await queue.result(i, GenerationResult(rid, (), (), (), (), FinishReason.ERROR,
+                                                       error="the engine returned no result for it"))
+
+    await asyncio.gather(*(drive(i, e) for i, e in enumerate(engines)))
+    if queue.outstanding:
+        left = ", ".join(str(r.version if r.version is not None else r.requested) for r in queue.rounds)
+        raise ConfigError(f"eval rounds at version(s) {left} found no engine with those weights")
+
+
+async def finish_rounds(queue: EvalRequests, engines: Sequence[Any], *, max_inflight: int,
+                        load_latest: Callable[[], Awaitable[None]] | None = None) -> None:
+    """After training ended: load the newest weights (``load_latest``), then run every open round with all slots.
+
+    A round pinned to a version no engine holds any more fails what it has left (its record still comes).
+    """
+    if not queue.outstanding:
+        return
+    if load_latest is not None:
+        await load_latest()
+    if engines:
+        await queue.expire(min(e.version for e in engines))
+    await run_pinned(engines, queue, max_inflight=max_inflight)
