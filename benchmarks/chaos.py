@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/chaos.py [--config examples/arithmetic_grpo.yaml] [--steps 60] [--kill-every 20]
                                   [--checkpoint-every 20] [--kill-driver-at STEP] [--replicas 2]
-                                  [--num-cpus 4] [--out runs/chaos] [--json] [override ...]
+                                  [--num-cpus 4] [--out runs/chaos] [--json] [--lora] [override ...]
 
 What it does, for real:
 
@@ -22,6 +22,16 @@ in rows (samples): ``rows_lost`` (prompts the run should have trained but did
 not, times ``rollout.n``) and ``rows_duplicated`` (prompts trained more than
 once), plus ``kills``, ``resumed_ok``, ``final_reward`` (mean reward of the
 last five steps) and ``seconds`` (the whole benchmark's wall time).
+
+``--lora`` runs the drill with a LoRA adapter (default config
+``examples/arithmetic_grpo_lora.yaml``: adapter-only weight syncs, the
+weights canary every step): killed and restarted replicas start from the
+base weights and must load the newest adapter before they serve. The report
+adds the canary's figures over both segments: ``canary_checks``,
+``canary_flagged`` (steps whose rollout policy was not the trainer's:
+a log-prob mismatch above ``canary.warn_above`` or an adapter version no
+replica loaded) and ``canary_max_mean_abs_dlogp``; a flagged step fails the
+drill.
 """
 
 from __future__ import annotations
@@ -130,7 +140,10 @@ def segment(cmd: list[str], run_dir: Path, namespace: str, killer: Killer, a: ar
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", type=Path, default=REPO / "examples" / "arithmetic_grpo.yaml")
+    p.add_argument("--config", type=Path, default=None,
+                   help="default: examples/arithmetic_grpo.yaml (with --lora: examples/arithmetic_grpo_lora.yaml)")
+    p.add_argument("--lora", action="store_true", help="run the drill with a LoRA adapter (adapter-only syncs, "
+                   "the canary every step)")
     p.add_argument("--steps", type=int, default=60, help="trainer.total_steps")
     p.add_argument("--kill-every", type=float, default=20.0, help="seconds between rollout replica kills")
     p.add_argument("--checkpoint-every", type=int, default=20)
@@ -142,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("overrides", nargs="*", help="dotted config overrides")
     a = p.parse_args(argv)
+    if a.config is None:
+        a.config = REPO / "examples" / ("arithmetic_grpo_lora.yaml" if a.lora else "arithmetic_grpo.yaml")
     if not a.config.is_file():
         p.error(f"--config {a.config}: no such file")
     kill_driver_at = a.kill_driver_at if a.kill_driver_at is not None else a.steps // 2
@@ -167,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*a.overrides, f"trainer.total_steps={a.steps}", f"trainer.checkpoint_every={a.checkpoint_every}",
                  f"rollout.replicas={a.replicas}", "launcher.name=ray",
                  f"launcher.options={{address: '{address}', namespace: {ns1}}}"]
+    if a.lora:
+        probe = load_config(a.config, overrides)
+        if probe.trainer.lora is None:
+            overrides.append("trainer.lora={}")
+        if not probe.canary.every:
+            overrides.append("canary.every=1")
     cfg = load_config(a.config, overrides)
     B, n = cfg.data.prompts_per_step, cfg.rollout.n
     base = [sys.executable, "-m", "asyncflow_core", "run"]
@@ -187,7 +208,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         events.update(r.get("events", {}))
     last = records[-5:]
+    checks = [r for r in records if "canary/flagged" in r]
+    canary = {
+        "canary_checks": len(checks),
+        "canary_flagged": sum(1 for r in checks if r["canary/flagged"]),
+        "canary_max_mean_abs_dlogp": max((r["canary/mean_abs_dlogp"] for r in checks
+                                          if "canary/mean_abs_dlogp" in r), default=None),
+    }
     out = {
+        "lora": bool(a.lora),
+        **canary,
         "kills": sum(killer.kills.values()),
         "kills_by_role": dict(killer.kills),
         "rows_lost": (a.steps * B - len(set(trained))) * n,
@@ -206,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         "non_loopback_listeners": public,
         "run_dir": str(run_dir),
     }
+    ok = out["resumed_ok"] and not out["rows_lost"] and not out["rows_duplicated"] and not (
+        a.lora and (out["canary_flagged"] or not out["canary_checks"]))
     if a.json:
         print(json.dumps(out))
-        return 0 if out["resumed_ok"] and not out["rows_lost"] and not out["rows_duplicated"] else 1
+        return 0 if ok else 1
     print("| " + " | ".join(("kills", "rows lost", "rows duplicated", "resumed", "final reward", "seconds")) + " |")
     print("|" + "---|" * 6)
     print(f"| {out['kills']} ({', '.join(f'{k} {v}' for k, v in killer.kills.items())}) | {out['rows_lost']} | "
@@ -216,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{out['final_reward'] if out['final_reward'] is None else round(out['final_reward'], 3)} | {seconds:.0f} |")
     print(f"events: {out['events']}")
     print(f"driver killed after the checkpoint of step {stopped_at}; run directory {run_dir}")
-    return 0 if out["resumed_ok"] and not out["rows_lost"] and not out["rows_duplicated"] else 1
+    if a.lora:
+        print(f"LoRA: {out['canary_checks']} canary checks, {out['canary_flagged']} flagged, largest mean |dlogp| "
+              f"{out['canary_max_mean_abs_dlogp']}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

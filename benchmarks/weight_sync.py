@@ -25,6 +25,16 @@ spawned rank 1. Each transport runs one warm-up sync, then ``--repeats``
 measured ones (median shown). ``memcpy`` is a ``copy_`` of the same number
 of bytes into an already-touched buffer, measured in the same run. GB/s
 counts the model's bytes once (10^9 bytes per GB).
+
+``--lora RANK`` measures an adapter-only sync instead (``inprocess``): the
+trainer is the model with a peft LoRA adapter of that rank on the attention
+and MLP projections (``trainer.lora``'s default targets); the export is
+``adapter_state_dict`` packed into buckets, and the engine is the real
+``torch`` rollout engine (``configure_adapter`` + ``update_weights``: the
+partial update's checks, then the merge ``W = W0 + scaling * B @ A`` per
+targeted weight, or the load into live peft layers), once per
+``--lora-modes`` entry. The report gives the adapter's bytes beside the
+full model's.
 """
 
 from __future__ import annotations
@@ -294,9 +304,89 @@ def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int) ->
     }
 
 
+def run_lora_bench(size: str, rank: int, modes: list[str], repeats: int, bucket_mb: int) -> dict:
+    """Adapter-only syncs into the torch rollout engine, inprocess (see the module docstring)."""
+    from asyncflow_core.plugins import get_plugin_manager
+    from asyncflow_core.types import pack_buckets
+    from asyncflow_core.types.adapter import LoraSpec, adapter_state_dict, wrap
+
+    spec = LoraSpec(rank=rank, alpha=2.0 * rank)
+    clock = DigestClock()
+    clock.install()
+    base = build_model(size, seed=1)
+    full_bytes = sum(t.numel() * t.element_size() for _, t in export_tensors(base))
+    trainer = wrap(base, spec)
+    with torch.no_grad():  # a trained adapter: B is not zero
+        for name, p in trainer.named_parameters():
+            if "lora_B" in name:
+                p.uniform_(-1e-3, 1e-3)
+    adapter = [(n, t.detach()) for n, t in adapter_state_dict(trainer).items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in adapter)
+    hf = {"model_type": "qwen2", **SIZES[size], "tie_word_embeddings": True}
+    rows = []
+
+    async def measure(mode: str) -> list[dict[str, float]]:
+        engine = get_plugin_manager().create("rollout_engine", "torch", {
+            "model": {"hf_config": hf}, "device": "cpu", "lora_mode": mode})
+        engine.configure_adapter(spec)
+        await engine.start()
+        sender = get_plugin_manager().create("weight_transport", "inprocess", {})
+        out = []
+        try:
+            for version in range(1, repeats + 2):  # the first is a warm-up
+                with torch.no_grad():
+                    adapter[-1][1].add_(1e-4)  # a train step changes the adapter between syncs
+                clock.take()
+                start = time.monotonic()
+                buckets = list(pack_buckets(adapter, version=version, bucket_bytes=bucket_mb << 20))
+                exported = time.monotonic()
+                digest = clock.take()
+                await sender.send(_aiter(buckets), deadline_s=DEADLINE_S)
+                got = [b async for b in sender.receive(min_version=version, deadline_s=DEADLINE_S)]
+                received = time.monotonic()
+                await engine.update_weights(version, _aiter(got))
+                loaded = time.monotonic()
+                assert engine.version == version
+                out.append({"export_s": exported - start, "transfer_s": received - exported,
+                            "load_s": loaded - received, "digest_s": digest + clock.take(),
+                            "total_s": loaded - start})
+                del got, buckets
+        finally:
+            await sender.close()
+            await engine.shutdown()
+        return out[1:]
+
+    for mode in modes:
+        measured = asyncio.run(measure(mode))
+        row: dict[str, Any] = {"transport": f"inprocess/{mode}"}
+        for key in ("export_s", "digest_s", "transfer_s", "load_s", "total_s"):
+            row[key] = statistics.median(r[key] for r in measured)
+        row["seconds"] = row["total_s"]
+        row["gb_per_s"] = nbytes / row["total_s"] / 1e9
+        row["all_total_s"] = [r["total_s"] for r in measured]
+        rows.append(row)
+    return {
+        "benchmark": "weight_sync_lora",
+        "size": size,
+        "rank": rank,
+        "bytes": nbytes,
+        "full_bytes": full_bytes,
+        "fraction_of_full": nbytes / full_bytes,
+        "repeats": repeats,
+        "bucket_mb": bucket_mb,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "omp_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "results": rows,
+    }
+
+
 def print_table(report: dict) -> None:
+    if report["benchmark"] == "weight_sync_lora":
+        print(f"LoRA rank {report['rank']} on Qwen2 {report['size']}: {report['bytes'] / 1e6:.1f} MB per sync, "
+              f"{100 * report['fraction_of_full']:.2f} % of the full model's {report['full_bytes'] / 1e9:.2f} GB")
     m = report["machine"]
-    print(f"weight sync: Qwen2 {report['size']} shape, {report['bytes'] / 1e9:.2f} GB fp32, buckets of "
+    what = "adapter" if report["benchmark"] == "weight_sync_lora" else "fp32"
+    print(f"weight sync: Qwen2 {report['size']} shape, {report['bytes'] / 1e9:.3f} GB {what}, buckets of "
           f"{report['bucket_mb']} MiB, median of {report['repeats']}; {m['cpus']} CPUs, torch {m['torch']}")
     print(f"{'transport':<10} {'export':>7} {'digest':>7} {'transfer':>9} {'load':>7} {'total s':>8} {'GB/s':>6}")
     for r in report["results"]:
@@ -314,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="Measured syncs per transport (median shown).")
     parser.add_argument("--transports", default=",".join(ALL_TRANSPORTS), help="Which transports to run.")
     parser.add_argument("--bucket-mb", type=int, default=64, help="Bucket size of the export.")
+    parser.add_argument("--lora", type=int, default=None, metavar="RANK",
+                        help="Measure an adapter-only sync of a LoRA adapter of this rank (inprocess, torch engine).")
+    parser.add_argument("--lora-modes", default="merged,live", help="With --lora: the torch engine's lora_mode(s).")
     args = parser.parse_args(argv)
     transports = [t for t in args.transports.split(",") if t]
     unknown = set(transports) - set(ALL_TRANSPORTS)
@@ -321,7 +414,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown transports {sorted(unknown)}; choose from {ALL_TRANSPORTS}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    report = run_bench(transports, args.size, args.repeats, args.bucket_mb)
+    if args.lora is not None:
+        modes = [m for m in args.lora_modes.split(",") if m]
+        if args.lora < 1 or set(modes) - {"merged", "live"} or not modes:
+            parser.error("--lora takes a rank >= 1 and --lora-modes a list of merged, live")
+        report = run_lora_bench(args.size, args.lora, modes, args.repeats, args.bucket_mb)
+    else:
+        report = run_bench(transports, args.size, args.repeats, args.bucket_mb)
     if args.json:
         print(json.dumps(report))
     else:

@@ -29,6 +29,18 @@ before each optimizer step. The result lands in the step's metrics
 (``canary/mean_abs_dlogp`` ...), a warning above ``canary.warn_above``, and
 past ``canary.stop_above`` the run stops with a :class:`RunStopped` naming
 the engine and the mismatch.
+
+With a LoRA adapter (``adapter=True``; the runtime passes it when
+``trainer.lora`` is set) a skipped adapter sync is what the canary is for
+(the engine keeps sampling from an older adapter, or the base model, and
+the run trains against it): a check runs every step (``every=1``), and a
+check whose replica never loads version v within ``deadline_s`` (the sync
+was dropped on the way) is *stale*: flagged like a mismatch (metric
+``canary/stale``, counter ``canary_stale``, a warning) and, with
+``stop_above`` set, it stops the run. Every check reports
+``canary/flagged`` (1 when the step was flagged, 0 when not), so a run's
+metrics say step by step whether the policy that sampled was the one
+trained.
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ class CanaryResult:
     tokens: int  #: tokens compared (0: nothing comparable came back)
     mean_abs: float  #: mean |behaviour log-prob - trainer log-prob| per token
     max_abs: float
+    stale: bool = False  #: no live replica loaded ``version`` within the deadline (adapter runs: a dropped sync)
 
 
 class Canary:
@@ -71,7 +84,8 @@ class Canary:
 
     def __init__(self, *, every: int, samples: int, warn_above: float, stop_above: float | None,
                  replicas: Sequence[Any], trainer: Any, trainer_lock: asyncio.Lock, sampling: SamplingParams,
-                 engine_name: str, deadline_s: float) -> None:
+                 engine_name: str, deadline_s: float, adapter: bool = False) -> None:
+        self.adapter = adapter
         self.every = every
         self.samples = samples
         self.warn_above = warn_above
@@ -109,11 +123,23 @@ class Canary:
         result = await task
         if result is None:
             return
+        if result.stale:
+            self._report = {"canary/stale": 1.0, "canary/flagged": 1.0, "canary/tokens": 0.0}
+            if self.ctx is not None:
+                self.ctx.counters["canary_stale"] += 1
+            message = self._stale_message(result)
+            if self.stop_above is not None:
+                raise RunStopped(message)
+            log.warning("%s", message)
+            return
+        flagged = result.mean_abs > self.warn_above
         self._report = {"canary/mean_abs_dlogp": result.mean_abs, "canary/max_abs_dlogp": result.max_abs,
-                        "canary/tokens": float(result.tokens)}
+                        "canary/tokens": float(result.tokens), "canary/flagged": float(flagged)}
+        if self.adapter:
+            self._report["canary/stale"] = 0.0
         if self.stop_above is not None and result.mean_abs > self.stop_above:
             raise RunStopped(self._message(result, f"canary.stop_above = {self.stop_above}"))
-        if result.mean_abs > self.warn_above:
+        if flagged:
             if self.ctx is not None:
                 self.ctx.counters["canary_warnings"] += 1
             log.warning("%s", self._message(result, f"canary.warn_above = {self.warn_above}"))
@@ -139,8 +165,17 @@ class Canary:
                 f"at version {r.version}, above {limit}; check that its update_weights loads every tensor it "
                 "receives")
 
+    def _stale_message(self, r: CanaryResult) -> str:
+        return (f"rollout engine {self.engine_name!r}: no replica loaded adapter version {r.version} within "
+                f"{self.deadline_s:g} s of its publication (the sync was dropped or never applied), so the run "
+                "would train against an older adapter; check the weight transport and the engine's update_weights")
+
     async def _check(self, version: int, prompts: list[tuple[int, ...]]) -> CanaryResult | None:
         replica = await self._replica_at(version)
+        if replica is _STALE:
+            result = CanaryResult(version, -1, 0, float("nan"), float("nan"), stale=True)
+            self.results.append(result)
+            return result
         if replica is None:
             return None
         # per-request seeds: the probe leaves the engine's own sampling generator where it was
@@ -184,10 +219,15 @@ class Canary:
         try:
             await asyncio.wait_for(ctx.wait_for(ready), self.deadline_s)
         except TimeoutError:
+            if self.adapter:
+                return _STALE  # an adapter that never arrives is the failure this check exists for
             log.warning("canary: no rollout replica loaded version %d within %.0f s; check skipped", version,
                         self.deadline_s)
             return None
         return next((r for r in self.replicas if not r.dead and r.engine.version == version), None)
+
+
+_STALE = object()  #: :meth:`Canary._replica_at`'s answer when no replica loaded the version in time
 
 
 def _distinct_prompts(batch: Batch, limit: int) -> list[tuple[int, ...]]:

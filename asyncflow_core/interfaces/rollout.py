@@ -5,11 +5,16 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from asyncflow_core.errors import UnsupportedFeatureError
 from asyncflow_core.interfaces.features import RolloutFeatures
 from asyncflow_core.types import GenerationRequest, GenerationResult, WeightBucket
+
+if TYPE_CHECKING:
+    from asyncflow_core.types.adapter import LoraSpec
 
 
 class PauseMode(str, enum.Enum):
@@ -129,6 +134,40 @@ class RolloutEngine(abc.ABC):
         :class:`~asyncflow_core.errors.WeightTransferError` and leaves the old
         weights and ``version`` in force. Prefix caches are reset.
         """
+
+    def configure_adapter(self, spec: LoraSpec) -> None:
+        """Declare that the trainer trains a LoRA adapter of ``spec`` and publishes adapter-only updates.
+
+        Called once per engine object, before :meth:`start` (an engine that
+        fixes its LoRA capacity when it loads, like vLLM's ``enable_lora`` /
+        ``max_lora_rank``, needs it then); engines that can may also accept
+        it after ``start`` but before the first :meth:`update_weights`.
+        After it, :meth:`update_weights` takes either
+
+        - an adapter-only update: a partial update (see
+          :func:`~asyncflow_core.types.collect_update`) carrying exactly the
+          adapter's tensors, named as ``peft.get_peft_model_state_dict``
+          names them (``base_model.model.<module>.lora_A.weight`` ..., and
+          the ``modules_to_save`` weights); the version's policy is the base
+          weights plus that adapter, never an accumulation of earlier ones; or
+        - a full update of the base model (optionally with the adapter's
+          tensors too): the base weights change, and the adapter is the one
+          sent, or none (a zero delta) when none is sent.
+
+        Either way the engine's :attr:`version` becomes the update's version
+        only when the update was applied (a refused update changes nothing),
+        so the per-token ``versions`` of a result are the adapter versions
+        that sampled the tokens. Log-probs stay in the convention of
+        :class:`~asyncflow_core.types.SamplingParams`.
+
+        Raises :class:`~asyncflow_core.errors.UnsupportedFeatureError` unless
+        ``features.supports_adapter_updates``; ``ConfigError`` when the spec
+        does not fit the engine (e.g. a rank above what it was started with).
+        """
+        raise UnsupportedFeatureError(
+            f"the {type(self).__name__} rollout engine does not apply LoRA adapter updates "
+            "(supports_adapter_updates=False); train the full model (unset trainer.lora) or use an engine that does"
+        )
 
     @abc.abstractmethod
     async def sleep(self, level: int = 1) -> None:

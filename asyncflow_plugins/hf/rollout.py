@@ -30,6 +30,17 @@ engine object, on the CPU or one CUDA device. What it does, step by step:
   tensor names are the model's ``state_dict`` keys. All buckets are received
   and checked (checksum, version, name, shape, dtype, full coverage) before
   the first parameter is touched; then they are ``copy_``-ed in place.
+- **LoRA adapters** (:meth:`TorchRolloutEngine.configure_adapter`, then
+  adapter-only updates under peft's state-dict names): ``lora_mode="merged"``
+  (default) keeps a copy of every targeted base weight ``W0`` and sets
+  ``W = W0 + scaling * B @ A`` for each version (float32 arithmetic, then the
+  model's dtype; never an accumulation of merges), ``modules_to_save``
+  weights replacing their base; ``lora_mode="live"`` injects peft's LoRA
+  layers into the model once and loads each version's tensors into them
+  (``set_peft_model_state_dict``). The scaling comes from peft's own layer
+  (``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA, per-module patterns).
+  An adapter-only update advances :attr:`version` like any update, so the
+  per-token ``versions`` name the adapter that sampled each token.
 - **What ends a completion**: a token in the request's ``stop_token_ids``
   (or the optional engine-wide ``eos_token_ids``), ``max_new_tokens``, or
   the model's context. The model config's EOS counts only when the request
@@ -49,7 +60,7 @@ import asyncio
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -66,6 +77,10 @@ from asyncflow_core.types import (
     collect_update,
 )
 from asyncflow_core.types.sampling import sampling_logprobs
+from asyncflow_core.types.weights import dtype_from_name
+
+if TYPE_CHECKING:
+    from asyncflow_core.types.adapter import LoraSpec
 
 FEATURES = RolloutFeatures(
     supports_abort=True,
@@ -74,6 +89,7 @@ FEATURES = RolloutFeatures(
     supports_pause_abort=True,
     supports_inflight_weight_update=True,
     supports_sleep=False,
+    supports_adapter_updates=True,
     weight_transports=("inprocess",),
 )
 
@@ -101,6 +117,13 @@ class TorchRolloutConfig(BaseModel):
         description="Token ids that end every completion besides each request's stop_token_ids; default none: "
         "what ends a completion is the request's stop ids and max_new_tokens (the runtime lists the model's or "
         "the task's end token there), never the model config's eos unasked.",
+    )
+    lora_mode: Literal["merged", "live"] = Field(
+        "merged",
+        description="How LoRA adapter updates are applied (with trainer.lora): merged into the weights "
+        "(W = W0 + scaling * B @ A per version, from a kept copy of the targeted base weights; decoding costs "
+        "what the base model costs) or live (peft's LoRA layers in the model, the adapter's tensors loaded into "
+        "them; no copy of the base weights, a little more work per token).",
     )
     torch_threads: int | None = Field(
         None,
@@ -190,6 +213,8 @@ class TorchRolloutEngine(RolloutEngine):
         self._scheduler: asyncio.Task | None = None
         self._failure: EngineError | None = None
         self._shut = False
+        self._lora: LoraSpec | None = None
+        self._adapter: _Adapter | None = None
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -224,8 +249,28 @@ class TorchRolloutEngine(RolloutEngine):
         self._keep_logits_arg = "logits_to_keep" in inspect.signature(net.forward).parameters
         self._params = dict(net.state_dict(keep_vars=True))
         self._gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        if self._lora is not None:
+            self._adapter = await asyncio.to_thread(_Adapter.build, net, self._params, self._lora,
+                                                    self.config.lora_mode == "live")
         self._net = net
         self._scheduler = asyncio.get_running_loop().create_task(self._schedule(), name="torch-rollout-scheduler")
+
+    def configure_adapter(self, spec: LoraSpec) -> None:
+        if self._lora is not None:
+            if spec == self._lora:
+                return
+            raise ConfigError("configure_adapter was already called on this torch rollout engine with another "
+                              "LoRA spec; an engine serves one adapter shape")
+        if self._net is not None:
+            if self._version != 0 or self._adapter is not None:
+                raise ConfigError("configure_adapter must come before the first weight update of the torch engine")
+            self._adapter = _Adapter.build(self._net, self._params, spec, self.config.lora_mode == "live")
+        self._lora = spec
+
+    @property
+    def adapter_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The adapter tensors an adapter-only update carries (peft's names), with shape and dtype; {} without LoRA."""
+        return {} if self._adapter is None else dict(self._adapter.specs)
 
     def _eos_ids(self) -> frozenset[int]:
         explicit = self.config.eos_token_ids
@@ -411,13 +456,34 @@ class TorchRolloutEngine(RolloutEngine):
         await asyncio.shield(asyncio.ensure_future(self._install(version, received, kv_cache)))
 
     async def _receive(self, version: int, buckets: AsyncIterable[WeightBucket]) -> dict[str, torch.Tensor]:
-        """Every tensor of the update, checked against the model (tied weights count under any name); none applied."""
-        checked = await collect_update(version, buckets, model=ModelTensors.of(self._params))
+        """Every tensor of the update, checked against the model (tied weights count under any name); none applied.
+
+        With an adapter configured, an update whose names are all adapter names is an adapter-only update
+        (every adapter tensor must arrive); one that carries base names too must cover the whole base model,
+        and then either all of the adapter or none of it.
+        """
+        base = ModelTensors.of(self._params)
+        if self._adapter is None:
+            checked = await collect_update(version, buckets, model=base)
+            return {name: tensor for bucket in checked for name, tensor in bucket.tensors()}
+        received = [b async for b in buckets]
+        names = {m.name for b in received for m in b.metas}
+        adapter = self._adapter.model_tensors(received)
+        if names and names <= set(adapter.specs):
+            checked = await collect_update(version, _replay(received), model=adapter, partial=list(adapter.specs))
+        elif names & set(adapter.specs):
+            both = ModelTensors({**base.specs, **adapter.specs}, base.tied_groups)
+            checked = await collect_update(version, _replay(received), model=both)
+        else:
+            checked = await collect_update(version, _replay(received), model=base)
         return {name: tensor for bucket in checked for name, tensor in bucket.tensors()}
 
     async def _install(self, version: int, received: dict[str, torch.Tensor], kv_cache: KVCachePolicy) -> None:
         async with self._lock:
-            await asyncio.to_thread(self._copy_weights, received)
+            if self._adapter is None:
+                await asyncio.to_thread(self._copy_weights, received)
+            else:
+                await asyncio.to_thread(self._adapter.apply, received)
             self._version = version
             if kv_cache is KVCachePolicy.RECOMPUTE and self._batch is not None:
                 # held sequences re-prefill their whole context with the new weights before the next token
@@ -613,6 +679,166 @@ class TorchRolloutEngine(RolloutEngine):
             tokens[index] = drawn
             picked[index] = logp.gather(1, drawn.unsqueeze(1)).squeeze(1)
         return tokens.tolist(), picked.tolist()
+
+
+async def _replay(buckets: list[WeightBucket]) -> AsyncIterator[WeightBucket]:
+    for bucket in buckets:
+        yield bucket
+
+
+_PEFT_PREFIX = "base_model.model."
+
+
+class _Adapter:
+    """A LoRA adapter on the engine's model: what an update carries, and how a version is put in force.
+
+    ``layers``: per targeted module, its base weight's name, the peft names of its A and B, peft's scaling and
+    whether the base stores its weight transposed (``fan_in_fan_out``, GPT-2's Conv1D). ``saved``: peft name of
+    a ``modules_to_save`` tensor -> the base tensor it replaces. Merged mode keeps ``base``: a copy of every
+    base tensor an adapter overwrites (``W0``), the only state a version is computed from.
+    """
+
+    def __init__(self, specs, layers, saved, params, peft_model) -> None:
+        self.specs: dict[str, tuple[tuple[int, ...], torch.dtype]] = specs
+        self.layers: list[tuple[str, str, str, float, bool]] = layers
+        self.saved: dict[str, str] = saved
+        self.params = params
+        self.peft_model = peft_model  #: live mode: the model with peft's layers injected; None when merged
+        #: live mode: exported name -> the peft parameter it loads into (None: leave it to set_peft_model_state_dict)
+        self.slots: dict[str, torch.Tensor] | None = None
+        if peft_model is not None:
+            named = dict(peft_model.named_parameters())
+            slots = {}
+            for name in specs:
+                stem, _, leaf = name.rpartition(".")
+                if name in saved:
+                    inner = f"{stem}.modules_to_save.default.{leaf}"
+                else:
+                    inner = f"{stem}.default.{leaf}"  # ...q_proj.lora_A.weight -> ...q_proj.lora_A.default.weight
+                if inner not in named:
+                    break
+                slots[name] = named[inner]
+            else:
+                self.slots = slots
+        touched = [w for w, *_ in layers] + list(saved.values())
+        self.base: dict[str, torch.Tensor] = (
+            {} if peft_model is not None else {name: params[name].detach().clone() for name in touched}
+        )
+
+    @classmethod
+    def build(cls, net: torch.nn.Module, params: dict[str, torch.Tensor], spec: LoraSpec, live: bool) -> _Adapter:
+        from asyncflow_core.types.adapter import adapter_state_dict, wrap
+
+        spec.peft_config()  # ConfigError in one line when peft is missing
+        import peft
+
+        try:
+            if live:
+                model = wrap(net, spec)  # injects peft's layers into net itself
+                net.eval()  # the new layers start in training mode: no dropout when sampling
+            else:
+                import transformers
+
+                with torch.device("meta"):  # only the layout: names, shapes, scalings
+                    shadow = transformers.AutoModelForCausalLM.from_config(net.config, dtype=net.dtype)
+                model = wrap(shadow, spec)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        state = adapter_state_dict(model)
+        specs = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+        layers = []
+        for path, module in model.named_modules():
+            if not isinstance(module, peft.tuners.lora.LoraLayer) or "default" not in getattr(module, "lora_A", {}):
+                continue
+            inner = path.removeprefix(_PEFT_PREFIX)
+            a, b = f"{path}.lora_A.weight", f"{path}.lora_B.weight"
+            if a not in specs or b not in specs:
+                raise ConfigError(f"peft names the adapter of {inner} differently than expected ({a})")
+            weight = f"{inner}.weight"
+            if weight not in params:
+                raise ConfigError(f"LoRA targets {inner}, whose weight {weight} is not a tensor of the model")
+            transposed = bool(getattr(module, "fan_in_fan_out", False))
+            layers.append((weight, a, b, float(module.scaling["default"]), transposed))
+        lora_names = {n for _, a, b, _, _ in layers for n in (a, b)}
+        saved = {}
+        for name in specs:
+            if name in lora_names:
+                continue
+            target = name.removeprefix(_PEFT_PREFIX)
+            if target not in params:
+                raise ConfigError(f"the adapter tensor {name} has no base tensor {target} in the model")
+            saved[name] = target
+        if not layers and not saved:
+            raise ConfigError(f"the LoRA spec targets no module of this model ({spec.target_modules})")
+        return cls(specs, layers, saved, params, model if live else None)
+
+    def model_tensors(self, received: Sequence[WeightBucket]) -> ModelTensors:
+        """The adapter's tensors for checking an update: names and shapes are the adapter's; a floating dtype
+        is taken as sent (the trainer may keep its adapter in float32 on a bfloat16 base), cast when applied."""
+        sent = {m.name: m.dtype for b in received for m in b.metas}
+        specs = {}
+        for name, (shape, dtype) in self.specs.items():
+            got = sent.get(name)
+            if got is not None and dtype.is_floating_point and dtype_from_name(got).is_floating_point:
+                dtype = dtype_from_name(got)
+            specs[name] = (shape, dtype)
+        return ModelTensors(specs)
+
+    @torch.no_grad()
+    def apply(self, received: dict[str, torch.Tensor]) -> None:
+        """Put one version in force: base tensors sent (a full update) replace W0; then the adapter sent, or none."""
+        adapter = {n: t for n, t in received.items() if n in self.specs}
+        for name, tensor in received.items():
+            if name in self.specs:
+                continue
+            self.params[name].copy_(tensor)
+            if name in self.base:
+                self.base[name].copy_(tensor)
+        if self.peft_model is not None:
+            self._load_live(adapter or self._zero())
+            return
+        for weight, a, b, scaling, transposed in self.layers:
+            w0, w = self.base[weight], self.params[weight]
+            if not adapter:
+                w.copy_(w0)
+                continue
+            lo = adapter[b].to(device=w0.device, dtype=torch.float32)  # [out, r]
+            hi = adapter[a].to(device=w0.device, dtype=torch.float32)  # [r, in]
+            if transposed:  # the base stores [in, out]
+                lo, hi = hi.T, lo.T
+            if w.dtype == torch.float32:
+                torch.addmm(w0, lo, hi, alpha=scaling, out=w)  # W = W0 + scaling * B @ A in one pass
+            else:  # float32 arithmetic, one rounding to the model's dtype
+                w.copy_(torch.addmm(w0.float(), lo, hi, alpha=scaling))
+        for name, target in self.saved.items():
+            self.params[target].copy_(adapter[name] if adapter else self.base[target])
+
+    def _zero(self) -> dict[str, torch.Tensor]:
+        """The adapter that changes nothing: B = 0 (A kept), modules_to_save equal to their base."""
+        from asyncflow_core.types.adapter import adapter_state_dict
+
+        state = adapter_state_dict(self.peft_model)
+        out = {}
+        for name, tensor in state.items():
+            if name in self.saved:
+                out[name] = self.params[self.saved[name]]
+            elif name.endswith("lora_B.weight"):
+                out[name] = torch.zeros_like(tensor)
+            else:
+                out[name] = tensor
+        return out
+
+    def _load_live(self, adapter: dict[str, torch.Tensor]) -> None:
+        if self.slots is not None:
+            for name, tensor in adapter.items():
+                self.slots[name].copy_(tensor)
+            return
+        import peft
+
+        result = peft.set_peft_model_state_dict(self.peft_model, adapter)
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise EngineError(f"peft did not take adapter tensors {unexpected[:3]} into the model")
 
 
 def _result(seq: _Seq, reason: FinishReason, error: str | None = None) -> GenerationResult:

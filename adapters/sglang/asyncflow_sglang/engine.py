@@ -657,6 +657,13 @@ class SGLangRolloutEngine(RolloutEngine):
 
     # -- weights ---------------------------------------------------------------------
 
+    def configure_adapter(self, spec: Any) -> None:
+        """Refused: this adapter does not drive SGLang's LoRA endpoints (see docs/adapters/sglang.md, LoRA)."""
+        raise UnsupportedFeatureError(
+            "the sglang rollout engine does not apply LoRA adapter updates yet (supports_adapter_updates=False): "
+            "unset trainer.lora to train the full model, or use the vllm or torch rollout engine for LoRA"
+        )
+
     async def update_weights(
         self,
         version: int,

@@ -27,6 +27,8 @@ DECLARED_FEATURES = RolloutFeatures(
     supports_pause_abort=True,
     supports_inflight_weight_update=True,
     supports_sleep=False,
+    # configure_adapter() before start(): vLLM runs with enable_lora and each adapter version is loaded in place
+    supports_adapter_updates=True,
     # update_weights() takes buckets from whatever transport the runtime received them on;
     # the engine then moves them into its worker processes itself (torch.distributed broadcast)
     weight_transports=("inprocess", "shm", "dist", "disk"),

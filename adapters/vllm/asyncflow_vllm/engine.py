@@ -48,6 +48,23 @@ What the adapter adds on top of vLLM, step by step:
   and not after a level-2 sleep (weights dropped) until a full update has
   loaded new weights.
 
+- **LoRA adapters** (:meth:`VLLMRolloutEngine.configure_adapter`, before
+  ``start``): vLLM starts with ``enable_lora`` (``max_lora_rank`` the
+  smallest rank vLLM offers that holds the adapter's, one adapter slot).
+  An adapter-only update is checked like any update (every adapter tensor,
+  under peft's names and shapes), written as a peft directory
+  (``adapter_config.json`` + ``adapter_model.safetensors``) in a temporary
+  directory, and loaded at the safe point with ``add_lora`` under one
+  adapter id with ``load_inplace=True``: vLLM's worker reloads that id
+  (``WorkerLoRAManager.add_adapter`` removes and re-adds it), so requests
+  held across the update continue on the new adapter exactly like with a
+  full update, and the version spans stay right. Every request carries that
+  adapter's ``LoRARequest`` (without ``load_inplace``); the previous
+  version's directory is deleted. A full update (the base weights) with no
+  adapter tensors puts the base model alone in force (requests go without a
+  ``LoRARequest``). The log-prob probe (``probe_updates``) runs for full
+  updates only.
+
 vLLM's own weight-transfer API (``init_weight_transfer_engine`` and its
 ``nccl``/``ipc`` backends) exists in 0.32, but every backend it ships needs
 CUDA and its trainer side needs vLLM imported in the trainer; the extension
@@ -68,7 +85,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,7 +104,16 @@ from asyncflow_vllm import weight_group
 from asyncflow_vllm.config import DECLARED_FEATURES, SUPPORTED_VLLM, VLLMRolloutConfig
 from asyncflow_vllm.worker import loopback_gloo_group
 
+if TYPE_CHECKING:
+    from asyncflow_core.types.adapter import LoraSpec
+
 log = logging.getLogger("asyncflow.vllm")
+
+#: ``max_lora_rank`` values vLLM 0.32 accepts (``vllm/config/lora.py``, ``MaxLoRARanks``)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: the one adapter id every version is loaded under (in place)
+_LORA_ID = 1
+_LORA_NAME = "asyncflow-policy"
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -146,7 +172,20 @@ def check_vllm_version(version: str | None, *, allow_untested: bool) -> None:
         )
 
 
-def engine_args(config: VLLMRolloutConfig, *, device: str, model_dir: str, max_model_len: int) -> dict[str, Any]:
+def lora_engine_args(spec: LoraSpec | None) -> dict[str, Any]:
+    """The LoRA fields of ``vllm.AsyncEngineArgs`` for ``spec`` (none without it)."""
+    if spec is None:
+        return {}
+    rank = next((r for r in _VLLM_LORA_RANKS if r >= spec.rank), None)
+    if rank is None:
+        raise ConfigError(f"trainer.lora.rank {spec.rank} is above the largest LoRA rank vLLM serves "
+                          f"({_VLLM_LORA_RANKS[-1]}); use a smaller rank")
+    # one adapter at a time: every version is loaded in place under one id
+    return dict(enable_lora=True, max_lora_rank=rank, max_loras=1, max_cpu_loras=1)
+
+
+def engine_args(config: VLLMRolloutConfig, *, device: str, model_dir: str, max_model_len: int,
+                lora: LoraSpec | None = None) -> dict[str, Any]:
     """The ``vllm.AsyncEngineArgs`` fields the engine starts vLLM with (``device``: cpu or cuda)."""
     model = config.model
     dtype = config.dtype if config.dtype != "auto" else model.dtype
@@ -166,6 +205,7 @@ def engine_args(config: VLLMRolloutConfig, *, device: str, model_dir: str, max_m
         # without it vLLM's sleep frees nothing (weights and KV cache must come from its CuMem pool); vLLM
         # refuses it on CPU, where sleep is a no-op anyway
         enable_sleep_mode=device == "cuda" and config.enable_sleep_mode,
+        **lora_engine_args(lora),
         **config.engine_args,
     )
 
@@ -245,6 +285,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self._probe_net: torch.nn.Module | None = None
         #: what the last update did: buckets, parameters compared by readback / not readable, probe difference
         self.last_update: dict[str, Any] | None = None
+        self._lora: LoraSpec | None = None
+        self._adapter = ModelTensors({})  #: the adapter's tensors (peft names) an adapter-only update carries
+        self._lora_request: Any = None  #: the LoRARequest every request carries while an adapter is in force
+        self._lora_dir: str | None = None  #: the peft directory of the adapter in force
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -255,6 +299,13 @@ class VLLMRolloutEngine(RolloutEngine):
     @property
     def version(self) -> int:
         return self._version
+
+    def configure_adapter(self, spec: LoraSpec) -> None:
+        if self._llm is not None:
+            raise ConfigError("the vllm rollout engine takes configure_adapter before start(): vLLM sizes its LoRA "
+                              "support (enable_lora, max_lora_rank) when it starts")
+        lora_engine_args(spec)  # a rank vLLM cannot serve is refused now
+        self._lora = spec
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -272,7 +323,8 @@ class VLLMRolloutEngine(RolloutEngine):
             raise EngineError(f"vLLM is installed but does not import ({type(exc).__name__}: {exc})") from exc
         self._vllm = vllm
         args = vllm.AsyncEngineArgs(
-            **engine_args(self.config, device=self.device, model_dir=model_dir, max_model_len=self._max_len)
+            **engine_args(self.config, device=self.device, model_dir=model_dir, max_model_len=self._max_len,
+                          lora=self._lora)
         )
         try:
             self._llm = await asyncio.wait_for(
@@ -345,6 +397,8 @@ class VLLMRolloutEngine(RolloutEngine):
             directory = self._tmpdir
         # tied tensors (one parameter under several names) need only one of their names in an update
         self._model = ModelTensors.of(net.state_dict(keep_vars=True))
+        if self._lora is not None:
+            self._adapter = _adapter_layout(cfg, self._lora, DTYPES[model.dtype])
         return directory
 
     def _eos_ids(self, cfg: Any) -> frozenset[int]:
@@ -410,6 +464,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self._cleanup_model_dir()
 
     def _cleanup_model_dir(self) -> None:
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
+            self._lora_request = None
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -517,7 +575,7 @@ class VLLMRolloutEngine(RolloutEngine):
             # the salt keys vLLM's prefix cache by weight version: a request never reuses prompt KV that an
             # older version computed, even when the cache could not be reset (requests were running)
             prompt = {"prompt_token_ids": [*r.prompt_token_ids, *prefix], "cache_salt": f"asyncflow-v{self._version}"}
-            stream = self._llm.generate(prompt, params, request_id=r.request_id)
+            stream = self._llm.generate(prompt, params, request_id=r.request_id, lora_request=self._lora_request)
             async for out in stream:
                 c = out.outputs[0]
                 for tok, lp in zip(c.token_ids, c.logprobs or (), strict=False):
@@ -776,13 +834,59 @@ class VLLMRolloutEngine(RolloutEngine):
             await asyncio.shield(asyncio.ensure_future(self._install(llm, version, received, kv_cache, expected)))
 
     async def _receive(self, version: int, buckets: AsyncIterable[WeightBucket]) -> list[WeightBucket]:
-        """Every bucket of the update, checked against the model before anything is sent to vLLM."""
-        return await collect_update(version, buckets, model=self._model)
+        """Every bucket of the update, checked against the model before anything is sent to vLLM.
+
+        With an adapter configured: all names adapter names is an adapter-only update (every adapter tensor
+        must arrive); base names too must cover the whole model, with all of the adapter or none of it.
+        """
+        if self._lora is None:
+            return await collect_update(version, buckets, model=self._model)
+        received = [b async for b in buckets]
+        names = {m.name for b in received for m in b.metas}
+        adapter = _sent_dtypes(self._adapter, received)
+        if names and names <= set(adapter.specs):
+            return await collect_update(version, _replay(received), model=adapter, partial=list(adapter.specs))
+        if names & set(adapter.specs):
+            both = ModelTensors({**self._model.specs, **adapter.specs}, self._model.tied_groups)
+            return await collect_update(version, _replay(received), model=both)
+        return await collect_update(version, _replay(received), model=self._model)
+
+    async def _install_adapter(self, llm: Any, version: int, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Put ``tensors`` (peft names) in force as the adapter, or none; vLLM's scheduler is held by the caller."""
+        old = self._lora_dir
+        if tensors is None:
+            self._lora_request = None
+        else:
+            directory = await asyncio.to_thread(_write_peft_dir, self._lora, tensors, version)
+            from vllm.lora.request import LoRARequest
+
+            try:
+                await llm.add_lora(LoRARequest(_LORA_NAME, _LORA_ID, directory, load_inplace=True))
+            except Exception as exc:  # noqa: BLE001 - vLLM refused the adapter (its checks): nothing changed
+                shutil.rmtree(directory, ignore_errors=True)
+                raise EngineError(f"vLLM did not load the adapter of version {version} ({type(exc).__name__}: "
+                                  f"{_first_line(exc)}); version {self._version} is still in force") from exc
+            self._lora_dir = directory
+            self._lora_request = LoRARequest(_LORA_NAME, _LORA_ID, directory)
+        if old is not None and old != self._lora_dir:
+            shutil.rmtree(old, ignore_errors=True)
+        if tensors is None:
+            self._lora_dir = None
 
     async def _install(
         self, llm: Any, version: int, buckets: list[WeightBucket], kv_cache: KVCachePolicy,
         expected: dict[str, torch.Tensor] | None,
     ) -> None:
+        adapter: dict[str, torch.Tensor] = {}
+        if self._lora is not None:
+            adapter = {n: t.clone() for b in buckets for n, t in b.tensors() if n in self._adapter.specs}
+            base = [b for b in buckets if any(m.name not in self._adapter.specs for m in b.metas)]
+            if not base:
+                await self._install_adapter_only(llm, version, adapter, kv_cache)
+                return
+            # a full update: the base weights (below), then the adapter sent or none
+            buckets = _without(buckets, set(self._adapter.specs)) if adapter else buckets
+            expected = None if adapter else expected
         group = await self._ensure_group(llm)
         if "weights" in self._asleep:  # asleep: the weights' memory must be back before it is written
             await llm.wake_up(tags=["weights"])
@@ -802,6 +906,8 @@ class VLLMRolloutEngine(RolloutEngine):
                 )
                 self._fail(error)
                 raise error
+            if self._lora is not None:
+                await self._install_adapter(llm, version, adapter or None)
             await llm.update_weight_version(str(version))
             self._version = version
             self._weights_missing = False
@@ -820,6 +926,23 @@ class VLLMRolloutEngine(RolloutEngine):
                             "padding_only": sum(r.get("padding_only", 0) for r in results), "probe": None}
         if expected is not None and not self._paused and not self._asleep:
             self.last_update["probe"] = await self._probe(version, expected)
+
+    async def _install_adapter_only(self, llm: Any, version: int, adapter: dict[str, torch.Tensor],
+                                    kv_cache: KVCachePolicy) -> None:
+        """An adapter-only update: no weight group, no base weight touched; vLLM loads the adapter in place."""
+        paused_here = not self._paused and not self._asleep
+        if paused_here:
+            await llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self._install_adapter(llm, version, adapter)
+            await llm.update_weight_version(str(version))
+            self._version = version
+            await llm.reset_prefix_cache(reset_running_requests=kv_cache is KVCachePolicy.RECOMPUTE)
+        finally:
+            if paused_here and self._failure is None:
+                await llm.resume_generation()
+        self.last_update = {"version": version, "buckets": 0, "adapter_tensors": len(adapter), "compared": 0,
+                            "unreadable": 0, "padding_only": 0, "probe": None}
 
     async def _transfer(self, llm: Any, group: _Group, version: int, buckets: list[WeightBucket]) -> list[dict]:
         """Announce the buckets, broadcast them and collect the workers' reports, all by one deadline.
@@ -1019,6 +1142,66 @@ class VLLMRolloutEngine(RolloutEngine):
                 if buffer.device != group.device:
                     buffer = buffer.to(group.device)
                 weight_group.wait(group.group.broadcast([buffer], opts), group.backend, deadline)
+
+
+async def _replay(buckets: list[WeightBucket]) -> AsyncIterator[WeightBucket]:
+    for bucket in buckets:
+        yield bucket
+
+
+def _adapter_layout(cfg: Any, spec: LoraSpec, dtype: torch.dtype) -> ModelTensors:
+    """The adapter's tensors (peft's names and shapes) on the model of ``cfg``, from a model on the meta device."""
+    import transformers
+
+    from asyncflow_core.types.adapter import adapter_state_dict, wrap
+
+    spec.peft_config()  # ConfigError in one line when peft is missing
+    with torch.device("meta"):
+        net = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    try:
+        model = wrap(net, spec)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return ModelTensors({name: (tuple(t.shape), t.dtype) for name, t in adapter_state_dict(model).items()})
+
+
+def _sent_dtypes(adapter: ModelTensors, received: Sequence[WeightBucket]) -> ModelTensors:
+    """``adapter`` with each floating tensor's dtype as sent (a trainer may keep a float32 adapter on a bfloat16
+    base; vLLM casts it to its LoRA dtype when it loads)."""
+    from asyncflow_core.types.weights import dtype_from_name
+
+    sent = {m.name: dtype_from_name(m.dtype) for b in received for m in b.metas}
+    return ModelTensors({
+        name: (shape, sent[name] if name in sent and dtype.is_floating_point and sent[name].is_floating_point
+               else dtype)
+        for name, (shape, dtype) in adapter.specs.items()
+    })
+
+
+def _without(buckets: list[WeightBucket], names: set[str]) -> list[WeightBucket]:
+    """The buckets holding any tensor not in ``names`` (an update mixing base and adapter tensors must keep them in
+    separate buckets: vLLM's workers load whole buckets into the base model)."""
+    out = []
+    for b in buckets:
+        inside = [m.name in names for m in b.metas]
+        if all(inside):
+            continue
+        if any(inside):
+            raise EngineError(f"bucket {b.index} of version {b.version} mixes adapter and base tensors; send the "
+                              "adapter's tensors in buckets of their own")
+        out.append(b)
+    return out
+
+
+def _write_peft_dir(spec: LoraSpec, tensors: dict[str, torch.Tensor], version: int) -> str:
+    """A peft adapter directory vLLM can load (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    from safetensors.torch import save_file
+
+    directory = tempfile.mkdtemp(prefix=f"asyncflow-vllm-lora-v{version}-")
+    spec.peft_config().save_pretrained(directory)
+    save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()},
+              os.path.join(directory, "adapter_model.safetensors"))
+    return directory
 
 
 def _result(

@@ -359,6 +359,8 @@ def _vocab_shards(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _expected(name: str, received: dict[str, torch.Tensor], packed: dict[str, list[str]]) -> torch.Tensor | None:
+    # with enable_lora vLLM wraps each LoRA-capable layer and keeps the original one as ``base_layer``
+    name = name.replace(".base_layer.", ".")
     if name in received:
         return received[name]
     for fused, parts in packed.items():
