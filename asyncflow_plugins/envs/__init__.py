@@ -1,6 +1,8 @@
-"""Built-in environments: ``tool_calls`` (any typed tools) and ``calculator`` (the multi-turn example task).
+"""Built-in environments: ``tool_calls`` (any typed tools), ``calculator`` (tool use: multi-operand arithmetic
+solved with a calc tool) and ``guess`` (the learnable multi-turn example: a hidden digit found with ``<``/``>``
+feedback each turn; examples/agent_guess.yaml).
 
-Also the ``calculator`` dataset that generates the example's problems.
+Also the ``calculator`` and ``guess`` datasets that generate their tasks' rows.
 Writing a tool: :func:`asyncflow_plugins.envs.tools.tool`; serving tools to a
 model: :class:`ToolEnvironment`.
 """
@@ -66,6 +68,18 @@ def _calculator(config):
     return CalculatorEnvironment(config)
 
 
+def _guess(config):
+    from asyncflow_plugins.envs.guess import GuessEnvironment
+
+    return GuessEnvironment(config)
+
+
+def _guess_dataset(config):
+    from asyncflow_plugins.envs.guess import GuessDataset
+
+    return GuessDataset(config)
+
+
 def _calculator_dataset(config):
     from asyncflow_plugins.envs.calculator import CalculatorDataset
 
@@ -75,6 +89,7 @@ def _calculator_dataset(config):
 @hookimpl(tryfirst=True)
 def asyncflow_environments():
     from asyncflow_plugins.envs.calculator import CalculatorEnvConfig
+    from asyncflow_plugins.envs.guess import GuessEnvConfig
 
     yield EnvironmentBackend(
         name="tool_calls", factory=_tool_calls, config_model=ToolCallsConfig,
@@ -86,13 +101,23 @@ def asyncflow_environments():
         description="Multi-operand arithmetic solved with a one-operation calc tool over several turns.",
         features=EnvironmentFeatures(owns_reward=True),
     )
+    yield EnvironmentBackend(
+        name="guess", factory=_guess, config_model=GuessEnvConfig,
+        description="Find a hidden number with '<'/'>' feedback each turn (the multi-turn example task).",
+        features=EnvironmentFeatures(owns_reward=True),
+    )
 
 
 @hookimpl
 def asyncflow_datasets():
     from asyncflow_plugins.envs.calculator import CalculatorDataConfig
+    from asyncflow_plugins.envs.guess import GuessDataConfig
 
     yield DatasetBackend(
         name="calculator", factory=_calculator_dataset, config_model=CalculatorDataConfig,
         description="Generated problems such as '12*34+56*78=' for the calculator environment, seeded.",
+    )
+    yield DatasetBackend(
+        name="guess", factory=_guess_dataset, config_model=GuessDataConfig,
+        description="Seeded hidden numbers for the guess environment (prompt without the secret).",
     )

@@ -29,7 +29,7 @@ def test_defaults_and_resolution():
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"name": "nope"}, "environment.name: no environment named 'nope'; available: calculator, tool_calls"),
+    ({"name": "nope"}, "environment.name: no environment named 'nope'; available: calculator, guess, tool_calls"),
     ({"name": "calculator", "options": {"max_ops_per_call": 0}}, "environment.options.max_ops_per_call"),
     ({"name": "tool_calls", "options": {"tools": ["no_such_module:f"]}}, "cannot be imported"),
 ])

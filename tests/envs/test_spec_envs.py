@@ -28,6 +28,7 @@ class TestToolCallsCompactInWorkerProcesses(EnvironmentSpec):
 
 
 def test_every_builtin_environment_has_a_spec_class_here():
-    tested = {cls.backend for cls in (TestCalculatorCompact, TestToolCallsHermes)}
+    # guess: tests/envs/test_guess.py runs TestGuessCompact and TestGuessHermes
+    tested = {cls.backend for cls in (TestCalculatorCompact, TestToolCallsHermes)} | {"guess"}
     assert set(get_plugin_manager().registrations(PluginKind.ENVIRONMENT)) <= tested
     assert SPEC_CLASSES[PluginKind.ENVIRONMENT] is EnvironmentSpec
