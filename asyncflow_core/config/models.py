@@ -293,10 +293,13 @@ class CanaryConfig(StrictModel):
             raise ValueError(f"canary.stop_above ({self.stop_above}) is below canary.warn_above ({self.warn_above})")
         return self
 
-    def interval(self, real_model: bool) -> int:
-        """Steps between checks in force (0: off)."""
+    def interval(self, real_model: bool, lora: bool = False) -> int:
+        """Steps between checks in force (0: off); with LoRA every step by default (a dropped adapter sync shows
+        only as a small log-prob shift, so each version is checked)."""
         if self.every is not None:
             return self.every
+        if lora:
+            return 1
         return 10 if real_model else 0
 
 
@@ -359,6 +362,19 @@ class EnvironmentConfig(Component):
         description="0: environments run in the event loop; N: in a pool of N worker processes, so a blocking tool "
         "never stalls decoding. Default: 0, or 2 when the environment declares features.blocking.",
     )
+
+
+class AgentConfig(StrictModel):
+    """Captured episodes: a black-box agent on the capture endpoint (docs/agents.md); excludes `environment`."""
+
+    entry: str = Field(description="The agent coroutine, `package.module:function`, called per prompt row as "
+                       "`await agent(record, base_url=..., api_key=..., **options)`.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments given to every agent call.")
+    timeout_s: float = Field(
+        120.0, gt=0, description="Longest the agent may run between two of its model calls (and before the first, "
+        "after the last); past it the episode fails with that reason.")
+    max_calls: int = Field(8, ge=1, description="Most model calls per episode; the next one is refused and the "
+                           "episode written there (truncated).")
 
 
 #: metrics an ``eval`` section may ask for (``pass@N`` for any N up to ``samples_per_prompt`` too)
@@ -450,6 +466,9 @@ class RunConfig(StrictModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics and traces.")
     environment: EnvironmentConfig | None = Field(
         None, description="Multi-turn environment (docs/agents.md); absent: one completion per sample."
+    )
+    agent: AgentConfig | None = Field(
+        None, description="Captured agent episodes (docs/agents.md); excludes `environment`."
     )
 
 

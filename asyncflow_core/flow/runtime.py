@@ -201,13 +201,14 @@ class FlowRuntime:
                 ctx: FlowContext) -> Canary | None:
         """The weights canary the ``canary`` section asks for (default: every 10 steps with a real model)."""
         cfg = self.config
-        every = cfg.canary.interval(real_model=cfg.model.path is not None or cfg.model.hf_config is not None)
+        every = cfg.canary.interval(real_model=cfg.model.path is not None or cfg.model.hf_config is not None,
+                                    lora=cfg.trainer.lora is not None)
         if not every:
             return None
         canary = Canary(every=every, samples=cfg.canary.samples, warn_above=cfg.canary.warn_above,
                         stop_above=cfg.canary.stop_above, replicas=rollout.replicas, trainer=trainer,
                         trainer_lock=lock, sampling=sampling, engine_name=cfg.rollout.name,
-                        deadline_s=cfg.weight_transport.deadline_s)
+                        deadline_s=cfg.weight_transport.deadline_s, adapter=cfg.trainer.lora is not None)
         canary.bind(ctx)
         return canary
 

@@ -520,6 +520,44 @@ class RolloutEngineSpec(BackendSpec):
 
         self.run(body())
 
+    def test_restart_replaces_the_engine_when_declared(self, make_backend):
+        """With ``supports_restart``, ``restart()`` leaves a started engine that generates again."""
+        engine = make_backend()
+        require(engine.features, "supports_restart")
+
+        async def body():
+            started = await self.started(make_backend)
+            try:
+                await started.restart()
+                results = [r async for r in started.generate([self.request("after-restart")])]
+                assert [r.request_id for r in results] == ["after-restart"]
+            finally:
+                await started.shutdown()
+
+        self.run(body())
+
+    def test_restart_unsupported_has_no_restart(self, make_backend):
+        """Without ``supports_restart``, the runtime never restarts the engine: it offers no working ``restart``
+        (absent, or raising UnsupportedFeatureError), so a dead replica is reported lost, not silently reused."""
+        from asyncflow_core.errors import UnsupportedFeatureError
+
+        engine = make_backend()
+        forbid(engine.features, "supports_restart")
+        restart = getattr(engine, "restart", None)
+        if restart is not None:
+            with pytest.raises(UnsupportedFeatureError):
+                self.run(restart())
+
+    def test_adapter_updates_unsupported_raise_documented_error(self, make_backend):
+        """With ``supports_adapter_updates=False``, ``configure_adapter`` raises UnsupportedFeatureError."""
+        from asyncflow_core.errors import UnsupportedFeatureError
+        from asyncflow_core.types.adapter import LoraSpec
+
+        engine = make_backend()
+        forbid(engine.features, "supports_adapter_updates")
+        with pytest.raises(UnsupportedFeatureError):
+            engine.configure_adapter(LoraSpec())
+
     def test_sleep_unsupported_raises_documented_error(self, make_backend):
         """With ``supports_sleep=False``, ``sleep`` and ``wake_up`` raise UnsupportedFeatureError."""
         forbid(make_backend().features, "supports_sleep")
