@@ -47,11 +47,16 @@ def render() -> str:
             ann = optional[0]  # an optional section (``X | None``) is documented as X
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             sections.append((field.alias or name, ann))
-    for key, model in sections:
+    while sections:
+        key, model = sections.pop(0)
         doc = (model.__doc__ or "").strip().splitlines()[0]
         lines += ["", f"## `{key}` — {doc}", "", "| field | type | default | description |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             lines.append(f"| `{field.alias or name}` | {_type(field.annotation)} | {_default(field)} | {field.description} |")
+            # a list of records (eval.datasets[]) gets its own table after this one
+            args = getattr(field.annotation, "__args__", ())
+            if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+                sections.insert(0, (f"{key}.{field.alias or name}[]", args[0]))
     return "\n".join(lines) + "\n"
 
 
