@@ -57,6 +57,10 @@ class RolloutActor:
     def describe(self) -> dict[str, Any]:
         return {"features": self.engine.features, "version": self.engine.version, "pid": os.getpid()}
 
+    def configure_adapter(self, spec: Any) -> None:
+        """Forward ``RolloutEngine.configure_adapter`` (LoRA) to the engine, before :meth:`start`."""
+        self.engine.configure_adapter(spec)
+
     async def start(self) -> int:
         await self.engine.start()
         return self.engine.version

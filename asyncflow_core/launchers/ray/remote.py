@@ -110,6 +110,7 @@ class RemoteRolloutEngine(RolloutEngine):
         self._desc = _Description(watched)
         self._shut = False
         self._submitting: set[asyncio.Future] = set()  #: submit calls sent and not yet returned
+        self._adapter: Any = None  #: the LoRA spec given to configure_adapter, given again to every new actor
 
     @property
     def features(self):  # type: ignore[override]
@@ -128,11 +129,21 @@ class RemoteRolloutEngine(RolloutEngine):
     def actor(self) -> Any:
         return self.watched.actor
 
+    def configure_adapter(self, spec: Any) -> None:  # type: ignore[override]
+        """Kept and handed to the actor's engine in :meth:`start` (before it loads), for this actor and every
+        actor that replaces it."""
+        if not self.features.supports_adapter_updates:
+            super().configure_adapter(spec)  # the documented UnsupportedFeatureError
+        self._adapter = spec
+
     async def start(self) -> None:
         """Start the engine; an actor lost while starting is replaced (within ``max_restarts``) and started again."""
         while True:
             try:
                 await self._desc.fetch()
+                if self._adapter is not None:
+                    await self.watched.call("configure_adapter", self._adapter,
+                                            timeout=self.watched.heartbeat_timeout_s * 5)
                 self._desc.version = int(await self.watched.call("start",
                                                                  timeout=self.watched.heartbeat_timeout_s * 5))
                 return
