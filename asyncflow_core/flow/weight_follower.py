@@ -39,7 +39,7 @@ class WeightFollower:
 
     def __init__(self, transport: WeightTransport, pool: EnginePool, *, deadline_s: float,
                  kv_cache: KVCachePolicy = KVCachePolicy.RECOMPUTE, policy: WeightPolicy = WeightPolicy.TRAINING,
-                 pinned_version: int | None = None) -> None:
+                 pinned_version: int | None = None, hold: Callable[[Replica], bool] | None = None) -> None:
         if (policy is WeightPolicy.PINNED) != (pinned_version is not None):
             raise ValueError("a pinned weight policy needs pinned_version, and only it takes one")
         self.transport = transport
@@ -48,6 +48,9 @@ class WeightFollower:
         self.kv_cache = kv_cache
         self.policy = policy
         self.pinned_version = pinned_version
+        #: ``hold(r)`` True keeps replica ``r`` on its version for now (its share of an evaluation pinned to that
+        #: version is not done); the follower loads once it turns False and the context is notified
+        self.hold = hold
 
     def wants(self, engine_version: int, published: int) -> bool:
         """Whether a replica on ``engine_version`` should load now that ``published`` is staged."""
@@ -122,7 +125,9 @@ class WeightFollower:
         if self.policy is WeightPolicy.FROZEN:
             return
         while not ctx.stop.is_set() and not r.dead and r.generation == gen:
-            await ctx.wait_for(lambda: self.wants(r.engine.version, ctx.published) or r.dead or r.generation != gen)
+            await ctx.wait_for(lambda: (self.wants(r.engine.version, ctx.published)
+                                        and not (self.hold is not None and self.hold(r)))
+                               or r.dead or r.generation != gen)
             if ctx.stop.is_set() or r.dead or r.generation != gen:
                 return
             try:

@@ -185,3 +185,32 @@ def test_follow_hands_an_engine_error_to_on_failed_and_ends():
 
     asyncio.run(main())
     assert failed == ["engine died during the update"] and r.dead and r.engine.version == 0
+
+
+def test_a_held_replica_stays_on_its_version_until_released():
+    """``hold`` (an evaluation pinned to the replica's version) defers the load; releasing it loads the newest."""
+    pool, transport, _ = _setup()
+    held = {"on": True}
+    f = WeightFollower(transport, pool, deadline_s=1.0, hold=lambda rep: held["on"])
+    r = pool[0]
+    loaded: list[int] = []
+
+    async def on_updated(rep):
+        loaded.append(rep.engine.version)
+
+    async def main():
+        ctx = _ctx()
+        task = asyncio.ensure_future(f.follow(r, r.generation, ctx, on_failed=None, on_updated=on_updated))
+        await asyncio.sleep(0)
+        for v in (1, 2):
+            await _publish(ctx, transport, v)
+        assert loaded == [] and r.engine.version == 0  # held: nothing loaded while versions were published
+        held["on"] = False
+        await ctx.notify()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    assert loaded == [2] and r.engine.version == 2  # the newest staged version, in one load
