@@ -501,7 +501,7 @@ class CaptureSession:
     async def _generate(self, prompt: list[int], sampling: SamplingParams) -> GenerationResult:
         try:
             result = await self._sample(prompt, sampling)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, CaptureError):  # a refusal of the sample function is the agent's answer
             raise
         except AsyncflowError as exc:
             raise CaptureError(500, f"the engine failed: {str(exc).splitlines()[0] if str(exc) else exc!r}",

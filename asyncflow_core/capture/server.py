@@ -51,7 +51,8 @@ class CaptureServer:
     """Serves black-box agents and records each session's calls as a :class:`Trajectory`.
 
     ``sample(prompt_ids, sampling)`` generates one completion (the rollout
-    stage's, routed through its replicas). ``tokenizer`` is the model's
+    stage's, routed through its replicas); None: every session passes its
+    own to :meth:`open_session`. ``tokenizer`` is the model's
     Hugging Face tokenizer (or the runtime's ``HFTokenizer``) with a chat
     template. ``sampling`` is the run's: its temperature, top-p, top-k and stop
     ids are used for every call, and its ``max_new_tokens`` caps the agent's
@@ -62,7 +63,7 @@ class CaptureServer:
     127.0.0.1 on a free port, with a fresh bearer key per server.
     """
 
-    def __init__(self, sample: SampleFn, tokenizer: Any, *, model: str = "policy",
+    def __init__(self, sample: SampleFn | None, tokenizer: Any, *, model: str = "policy",
                  sampling: SamplingParams | None = None, honor_agent_sampling: bool = False,
                  api_key: str | None = None, max_request_bytes: int = 64 << 20) -> None:
         self.renderer = ChatRenderer(tokenizer)
@@ -125,11 +126,19 @@ class CaptureServer:
 
     # -- sessions
 
-    def open_session(self, metadata: Mapping[str, Any] | None = None) -> CaptureSession:
-        """A new episode: give the agent ``session.base_url`` and ``session.api_key``."""
+    def open_session(self, metadata: Mapping[str, Any] | None = None, *,
+                     sample: SampleFn | None = None) -> CaptureSession:
+        """A new episode: give the agent ``session.base_url`` and ``session.api_key``.
+
+        ``sample``: this session's generation (default: the server's); a run's captured episode passes its own,
+        so each call becomes that episode's turn request in the rollout stage's dispatch.
+        """
+        sample = sample or self._sample
+        if sample is None:
+            raise ValueError("this capture server has no sample function: pass open_session(sample=...)")
         sid = secrets.token_hex(8)
         session = CaptureSession(sid, f"{self.url}/s/{sid}/v1", self.api_key, renderer=self.renderer,
-                                 sample=self._sample, model=self.model, metadata=metadata)
+                                 sample=sample, model=self.model, metadata=metadata)
         self.sessions[sid] = session
         return session
 

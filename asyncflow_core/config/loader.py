@@ -242,6 +242,14 @@ def resolve(config: RunConfig, pm: AsyncflowPluginManager | None = None) -> Reso
             problems.append(f"environment.name: {exc}" if isinstance(exc, PluginError) else str(exc))
         else:
             components["environment"] = ResolvedComponent("environment", registered, options)
+    if config.agent is not None:  # optional section: captured agent episodes
+        if config.environment is not None:
+            problems.append("agent and environment are both set; an episode is either an environment's or a "
+                            "captured agent's: keep one of the two sections")
+        try:
+            import_agent(config.agent.entry)
+        except ConfigError as exc:
+            problems.append(str(exc))
     algorithm = components.get("algorithm")
     group_size = getattr(algorithm.options, "group_size", None) if algorithm is not None else None
     if isinstance(group_size, int) and group_size != config.rollout.n:
@@ -254,6 +262,29 @@ def resolve(config: RunConfig, pm: AsyncflowPluginManager | None = None) -> Reso
     if problems:
         raise ConfigError("; ".join(problems))
     return ResolvedConfig(config, components, unchecked)
+
+
+def import_agent(entry: str) -> Any:
+    """The ``agent.entry`` coroutine function (``package.module:function``), or a one-line :class:`ConfigError`."""
+    import importlib
+    import inspect
+
+    module, _, name = entry.partition(":")
+    if not module or not name or not re.fullmatch(r"[A-Za-z_][\w.]*", module) or not name.isidentifier():
+        raise ConfigError(f"agent.entry={entry!r} is not `package.module:function`; name the agent coroutine so")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - ImportError, or the module's own error on import
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"agent.entry={entry!r}: module {module!r} cannot be imported ({why}); install it or fix "
+                          "the name") from None
+    fn = getattr(mod, name, None)
+    if fn is None:
+        raise ConfigError(f"agent.entry={entry!r}: module {module!r} has no {name!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"agent.entry={entry!r} is not an async function; the agent must be "
+                          "`async def agent(record, *, base_url, api_key, **options)`")
+    return fn
 
 
 #: built-in stages ``pipeline.replace`` may swap for a plugin

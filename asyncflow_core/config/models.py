@@ -354,7 +354,8 @@ class EnvironmentConfig(Component):
     max_episode_tokens: int | None = Field(
         None, ge=1,
         description="Most tokens per episode (prompt, turns and observations); an episode that would grow past it "
-        "is cut there, with the reason (max_episode_tokens) recorded. Default: the model's context length.",
+        "is cut there, with the reason (max_episode_tokens) recorded. Default: no limit of its own (the model's "
+        "context still bounds each turn's request).",
     )
     workers: int = Field(64, ge=1, description="Episodes whose environments are open at once (per rollout process).")
     processes: int | None = Field(

@@ -156,9 +156,9 @@ class PipelinePlan:
         reward_stage: Stage | None
         if C.REWARD in rollout.produces:  # episodes of an environment that owns the reward: it is written with them
             if self.reward_stage is not None:
-                raise ConfigError("pipeline.replace.reward: the environment owns the reward (features.owns_reward), "
-                                  "so no reward stage runs; remove pipeline.replace.reward or use an environment "
-                                  "that leaves the reward to a reward plugin")
+                raise ConfigError("pipeline.replace.reward: the episodes write the reward (an environment that owns "
+                                  "it, or a captured agent's), so no reward stage runs; remove pipeline.replace.reward "
+                                  "or use an environment that leaves the reward to a reward plugin")
             reward_stage = None
         else:
             reward_stage = self.reward_stage or RewardStage(

@@ -7,7 +7,9 @@ It is a composition of parts with one job each:
 - ``WeightFollower`` (flow/weight_follower.py): weight loads per replica, with pause/abort if needed;
 - ``TrajectoryWriter`` (flow/trajectory_writer.py): the rollout columns, written in batches, and acks;
 - an episode factory (flow/episode.py): what a row's requests are and what a finished one means
-  (single-turn by default; multi-turn with an environment).
+  (single-turn by default; multi-turn with an environment; captured with an agent);
+- ``EpisodeDriving`` (flow/rollout_episodes.py, a mixin): resume, retry and requeue of a request that cannot
+  be written, and each episode's environment (or agent) calls as tasks of their own.
 
 The stage itself keeps the leasing, the dispatch of requests to replicas,
 the handling of each result (one per request: write, resume, re-queue or
@@ -25,8 +27,9 @@ from typing import Any
 
 from asyncflow_core import columns as C
 from asyncflow_core.flow.engine_pool import EnginePool, Replica
-from asyncflow_core.flow.episode import EpisodeFactory, MultiTurn, Progress, SingleTurn, SingleTurnEpisodes
+from asyncflow_core.flow.episode import EpisodeFactory, SingleTurn, SingleTurnEpisodes
 from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re-exported (older imports)
+from asyncflow_core.flow.rollout_episodes import EpisodeDriving
 from asyncflow_core.flow.stage import Stage
 from asyncflow_core.flow.staleness import StalenessGuard
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
@@ -34,7 +37,6 @@ from asyncflow_core.flow.weight_follower import WeightFollower
 from asyncflow_core.interfaces import KVCachePolicy, RolloutEngine, WeightTransport
 from asyncflow_core.interfaces.store import BatchMeta
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, RaggedTensor, SamplingParams
-from asyncflow_core.types.episode import Trajectory
 
 log = logging.getLogger("asyncflow.flow")
 
@@ -51,7 +53,7 @@ class _Lease:
 _Req = SingleTurn
 
 
-class RolloutStage(Stage):
+class RolloutStage(EpisodeDriving, Stage):
     """Dispatches prompt rows to engine replicas, writes completions row by row as they finish.
 
     One dispatcher leases rows (up to the replicas' free slots) and assigns
@@ -93,10 +95,11 @@ class RolloutStage(Stage):
         self.kv_cache = kv_cache
         self._pending: list[SingleTurn] = []
         self._in_env = 0  #: episodes waiting on their environment (reset or step): no slot, not pending
-        self._open: set[MultiTurn] = set()  #: episodes whose environment is open (closed when the run stops)
+        self._open: set[Any] = set()  #: episodes whose environment is open (closed when the run stops)
         self.writer = TrajectoryWriter(self.name, interval_s=write_interval_s, spawn=self._spawn,
                                        on_written=self._poke, columns=self.produces)
         self._tasks: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task] = set()  #: episodes' close() calls (awaited, not cancelled, at the end)
         self._busy_since: dict[int, float] = {}
         self._wake = asyncio.Event()  # dispatcher wake-up: slots freed, weights updated, version moved
         self.weights_pushed = False  #: a version is staged in the transport (a restarted replica must load it)
@@ -194,11 +197,14 @@ class RolloutStage(Stage):
             await self._wait_until(lambda: self.pool.inflight_total == 0 and not self._pending and not self._in_env)
             await self.writer.flush()
         finally:
+            closing = [t for t in self._tasks if t in self._closing]  # finished episodes' closes: let them finish
             for t in list(self._tasks):
-                t.cancel()
+                if t not in self._closing:
+                    t.cancel()
             if self._open:  # environments of episodes cut short by the stop
-                await asyncio.gather(*(ep.close() for ep in list(self._open)), return_exceptions=True)
+                closing += [asyncio.ensure_future(ep.close()) for ep in list(self._open)]
                 self._open.clear()
+            await asyncio.gather(*closing, return_exceptions=True)
 
     def _dispatch(self) -> None:
         """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
@@ -329,92 +335,6 @@ class RolloutStage(Stage):
             self._spawn(self._step(req))
         else:
             await self.writer.write(req, res)
-        self._dispatch()
-        self._poke()
-
-    def _resubmit(self, r: Replica, req: SingleTurn, res: GenerationResult) -> None:
-        ctx = self.ctx
-        fresh_prefix = not self.guard.unusable(req.oldest_with(res))
-        if len(res.token_ids) and fresh_prefix and r.engine.features.supports_resume_prefix:
-            req.resume(res)
-            ctx.counters["resumed_partial"] += 1
-            self._pending.append(req)
-        elif not fresh_prefix:
-            self._stale(req)
-        else:
-            req.retry_turn()
-            ctx.counters["restarted_abort"] += 1
-            self._pending.append(req)
-
-    def _stale(self, req: SingleTurn) -> None:
-        """A generation that can no longer be used: start it again on fresh weights (requeue) or drop its group.
-
-        An episode starts again from ``reset`` with a new environment (its earlier turns are unusable too).
-        """
-        ctx = self.ctx
-        if ctx.stale_policy == "drop":
-            ctx.outcomes.stale(req.row)
-            if req.multi_turn:
-                ctx.counters["dropped_stale_episode"] += 1
-            self._spawn(self._settle(req, None))
-            return
-        if req.multi_turn:
-            ctx.counters["requeued_stale_episode"] += 1
-            self._begin(req, restart=True)
-            return
-        req.restart()
-        ctx.counters["requeued_stale_rollout"] += 1
-        self._pending.append(req)
-
-    # -- episodes: their environment calls run as tasks, holding no replica slot ----------------------
-
-    async def _settle(self, req: SingleTurn, out: GenerationResult | Trajectory | None) -> None:
-        """Write the row (None: a placeholder for a row settled without a result) and close its environment."""
-        await self.writer.write(req, out)
-        if req.multi_turn:
-            self._open.discard(req)
-            self._spawn(req.close())
-
-    def _begin(self, ep: MultiTurn, *, restart: bool = False) -> None:
-        """Open (or, on ``restart``, re-open) the episode's environment and reset it, as a task."""
-        self._in_env += 1
-        self._spawn(self._reset(ep, restart))
-
-    async def _reset(self, ep: MultiTurn, restart: bool) -> None:
-        try:
-            if restart:
-                await ep.close()
-                ep.restart()
-            self._open.add(ep)
-            progress = await ep.begin()
-        finally:
-            self._in_env -= 1
-        await self._after_env(ep, progress)
-
-    async def _step(self, ep: MultiTurn) -> None:
-        try:
-            progress = await ep.advance()
-        finally:
-            self._in_env -= 1
-        await self._after_env(ep, progress)
-
-    async def _after_env(self, ep: MultiTurn, progress: Progress) -> None:
-        ctx = self.ctx
-        if ctx.stop.is_set():
-            self._poke()
-            return
-        if progress is Progress.FAILED:
-            ctx.counters["episodes_failed"] += 1
-            ctx.fail_rows(self.name, [ep.row], ep.failure or "episode failed")
-            await self._settle(ep, None)
-        elif self.guard.unusable(ep.oldest_version()):  # the trainer moved on while the environment stepped
-            self._stale(ep)
-        elif progress is Progress.DONE:
-            ctx.counters["episodes_done"] += 1
-            ctx.counters["episode_turns"] += ep.turn
-            await self._settle(ep, ep.trajectory())
-        else:
-            self._pending.insert(0, ep)  # a running episode's next turn goes before new rows
         self._dispatch()
         self._poke()
 

@@ -284,7 +284,7 @@ class FlowRuntime:
         sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                   top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                                   stop_token_ids=stop_token_ids(cfg.model, tokenizer))
-        episodes = build_episodes(self.resolved, tokenizer, stop_ids=sampling.stop_token_ids)
+        episodes = build_episodes(self.resolved, tokenizer, stop_ids=sampling.stop_token_ids, reward=reward)
         pipe = plan.build(dataset=dataset, tokenizer=tokenizer, replicas=replicas, transport=transport,
                           sampling=sampling, reward=reward, trainer=trainer, ref_engine=ref_engine,
                           canary=lambda rollout, lock: self._canary(rollout, trainer, lock, sampling, ctx),

@@ -13,7 +13,10 @@ and, in ``response_versions``, the version of the last sampled token before
 them (so a row's oldest version is its oldest sampled token's); ``turn_ids``
 number each token's turn; ``turn_rewards`` hold one reward per turn; the
 ``episode_*`` columns the per-episode figures; ``reward`` the episode's
-reward when the environment owns it.
+reward when the environment (or a captured agent's episode) owns it. An
+episode whose prompt is not the row's stored ``prompt_ids`` (an
+environment's first observation rendered with its tools, an agent's first
+call) also writes ``prompt_ids``: the trained sequence is the one sampled.
 """
 
 from __future__ import annotations
@@ -185,4 +188,25 @@ class TrajectoryWriter:
             cols[name] = torch.tensor(values, dtype=C.STANDARD_COLUMN_TYPES[name][1])
         if C.REWARD in self.columns:
             cols[C.REWARD] = torch.tensor(rewards, dtype=torch.float32)
-        return {c: cols[c] for c in self.columns}, vrange, sampled_total
+        out = {c: cols[c] for c in self.columns}
+        prompts = _episode_prompts(items)
+        if prompts is not None:
+            out[C.PROMPT_IDS] = RaggedTensor.from_sequences([torch.tensor(p, dtype=torch.int64) for p in prompts])
+        return out, vrange, sampled_total
+
+
+def _episode_prompts(items: list) -> list[tuple[int, ...]] | None:
+    """Each row's prompt when some episode's first prompt is not the row's stored one, else None.
+
+    An environment's rendered first observation (with its tools), or an agent's first call, is the prompt its
+    turns were sampled after: the row's ``prompt_ids`` are replaced by it, in the same write as the response,
+    before any later stage reads the row. The other rows of the write keep their stored prompt.
+    """
+    def stored(q: Any) -> tuple[int, ...]:
+        return tuple(getattr(q, "prompt_stored", ()) or ())
+
+    if not any(t is not None and stored(q) and tuple(t.prompt_ids) and tuple(t.prompt_ids) != stored(q)
+               for q, t in items):
+        return None
+    return [tuple(t.prompt_ids) if t is not None and t.prompt_ids else (stored(q) or tuple(q.prompt))
+            for q, t in items]
