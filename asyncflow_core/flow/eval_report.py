@@ -1,5 +1,6 @@
-"""Scoring an evaluation round: pass@k (unbiased), the per-set metrics, the :class:`Evaluator` that writes each
-round's record tagged with the version it measured, and the records' curve (``eval.png``).
+"""Scoring an evaluation round (a ``flow/eval.py`` ``EvalRound``): pass@k (unbiased), the per-set metrics,
+the :class:`Evaluator` that writes each round's record tagged with the version it measured, and the
+records' curve (``eval.png``).
 
 The queue, the rounds and the scheduler that pins evaluations to versions are in :mod:`asyncflow_core.flow.eval`.
 """
@@ -12,15 +13,12 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from asyncflow_core.flow.telemetry import MetricsWriter, load_metrics
 from asyncflow_core.types import RewardInput
-
-if TYPE_CHECKING:
-    from asyncflow_core.flow.eval import EvalRound
 
 log = logging.getLogger("asyncflow.flow")
 
@@ -96,7 +94,7 @@ class Evaluator:
                 out.append((False, f"{type(exc).__name__}: {exc}"))
         return out
 
-    async def evaluate(self, rnd: EvalRound) -> dict[str, Any]:
+    async def evaluate(self, rnd: Any) -> dict[str, Any]:
         """The round's metrics record (written where the run writes metrics); returned too."""
         cfg = self.config
         done = [(rnd.by_id[rid], res) for rid, res in rnd.results.items()]

@@ -1,0 +1,269 @@
+"""The parts of the environment pool below its interface: the plugin factory that crosses into worker
+processes, the checks of what an environment returns, the one-line failure texts, and the worker processes
+themselves (each a loop of environments by id behind a pipe). :mod:`asyncflow_core.flow.env_pool` uses them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import signal
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from asyncflow_core.interfaces.environment import (
+    Environment,
+    EnvironmentFactory,
+    EnvironmentFeatures,
+    Observation,
+    Step,
+)
+
+#: worker processes used by default for an environment that declares ``features.blocking``
+DEFAULT_BLOCKING_PROCESSES = 2
+#: seconds a new worker process may take to start (interpreter, imports); not counted against a step
+WORKER_START_TIMEOUT_S = 120.0
+_READY = -1  #: request id of the message a worker sends once it is up
+
+
+@dataclass(frozen=True)
+class CallTiming:
+    """Seconds one environment call took, as the rollout process saw it (IPC included for workers)."""
+
+    call: str  #: open, reset, step or close
+    turn: int | None  #: the step's turn; None for the other calls
+    seconds: float
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _where(call: str, turn: int | None) -> str:
+    return f"{call} (turn {turn})" if turn is not None else call
+
+
+class PluginEnvironmentFactory:
+    """A registered environment's factory with its options bound, by plugin name: picklable, so workers rebuild it.
+
+    Each call builds one environment (``record.factory(validated options)``).
+    """
+
+    def __init__(self, name: str, options: Mapping[str, Any] | None = None) -> None:
+        self.name = name
+        self.options = dict(options or {})
+        self._bound: tuple[Any, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "options": self.options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["name"], state["options"])  # type: ignore[misc]
+
+    def _record_and_options(self) -> tuple[Any, Any]:
+        if self._bound is None:
+            from asyncflow_core.plugins import PluginKind, get_plugin_manager
+
+            pm = get_plugin_manager()
+            record = pm.lookup(PluginKind.ENVIRONMENT, self.name).record
+            self._bound = (record, pm.validate_options(PluginKind.ENVIRONMENT, self.name, self.options))
+        return self._bound
+
+    @property
+    def features(self) -> EnvironmentFeatures:
+        """What an environment built with these options declares (options may turn ``blocking`` on).
+
+        Builds one environment without resetting it (environments acquire per-episode resources in
+        ``reset``); a factory that is async, or fails, leaves the registration's declaration.
+        """
+        record, options = self._record_and_options()
+        try:
+            env = record.factory(options)
+        except Exception:  # noqa: BLE001 - opening the first episode reports it with a reason
+            env = None
+        declared = getattr(env, "features", None) if isinstance(env, Environment) else None
+        if inspect.iscoroutine(env):
+            env.close()
+        return declared if isinstance(declared, EnvironmentFeatures) else record.features
+
+    def __call__(self) -> Any:
+        record, options = self._record_and_options()
+        return record.factory(options)
+
+
+async def _build(factory: EnvironmentFactory) -> Environment:
+    env = factory()
+    if inspect.isawaitable(env):
+        env = await env
+    if not isinstance(env, Environment):
+        raise TypeError(f"the environment factory returned {type(env).__name__}, not an Environment")
+    return env
+
+
+def _check_observation(value: Any, call: str) -> Observation:
+    if not isinstance(value, Observation):
+        raise TypeError(f"{call} returned {type(value).__name__}, not an Observation")
+    return value
+
+
+def _check_step(value: Any) -> Step:
+    if not isinstance(value, Step):
+        raise TypeError(f"step returned {type(value).__name__}, not a Step")
+    return value
+
+
+# -- worker processes ---------------------------------------------------------------------------------------
+
+
+def _worker_main(conn: Any, factory: EnvironmentFactory) -> None:
+    """A worker process: environments by id, each call run as a task on this process's own event loop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    envs: dict[int, Environment] = {}
+    tasks: set[asyncio.Task[None]] = set()  # strong references until each call is answered
+    send_lock = threading.Lock()
+
+    def reply(req: int, ok: bool, value: Any) -> None:
+        with send_lock:
+            try:
+                conn.send((req, ok, value))
+            except Exception as exc:  # noqa: BLE001 - an unpicklable result is reported, not lost
+                conn.send((req, False, f"the result could not be sent back from the worker: {_one_line(exc)}"))
+
+    async def handle(req: int, op: str, env_id: int, payload: Any) -> None:
+        try:
+            if op == "open":
+                env = await _build(factory)
+                envs[env_id] = env
+                value: Any = (env.features, tuple(env.tools))
+            elif op == "reset":
+                record, seed = payload
+                value = _check_observation(await envs[env_id].reset(record, seed=seed), "reset")
+            elif op == "step":
+                value = _check_step(await envs[env_id].step(payload))
+            elif op == "close":
+                env = envs.pop(env_id, None)
+                value = await env.close() if env is not None else None
+            else:
+                raise ValueError(f"unknown request {op!r}")
+        except Exception as exc:  # noqa: BLE001 - every failure goes back as a reason
+            reply(req, False, _one_line(exc))
+        else:
+            reply(req, True, value)
+
+    def read() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            if msg is None:  # the parent's shutdown request, or its end of the pipe closed
+                loop.call_soon_threadsafe(loop.stop)
+                return
+            loop.call_soon_threadsafe(start, msg)
+
+    def start(msg: tuple[Any, ...]) -> None:
+        task = loop.create_task(handle(*msg))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    threading.Thread(target=read, name="env-worker-reader", daemon=True).start()
+    reply(_READY, True, None)
+    loop.run_forever()
+
+
+class _Worker:
+    """One worker process as the rollout process sees it: pending requests and the episodes living there."""
+
+    def __init__(self, index: int, factory: EnvironmentFactory, context: Any) -> None:
+        self.index = index
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_worker_main, args=(child, factory), daemon=True,
+                                       name=f"asyncflow-env-worker-{index}")
+        self.process.start()
+        child.close()
+        self.loop = asyncio.get_running_loop()
+        self.pending: dict[int, asyncio.Future[Any]] = {}
+        self.episodes = 0  #: environments placed here and not closed yet
+        self.dead: str | None = None  #: why this worker is gone
+        self.ready: asyncio.Future[None] = self.loop.create_future()  #: resolved once the process is up
+        self._ids = itertools.count()
+        self._reader = threading.Thread(target=self._read, name=f"env-worker-{index}-replies", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                req, ok, value = self.conn.recv()
+            except (EOFError, OSError):
+                with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                    self.loop.call_soon_threadsafe(self._lost, "its worker process exited")
+                return
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._resolve, req, ok, value)
+
+    def _resolve(self, req: int, ok: bool, value: Any) -> None:
+        if req == _READY:
+            if not self.ready.done():
+                self.ready.set_result(None)
+            return
+        fut = self.pending.pop(req, None)
+        if fut is not None and not fut.done():
+            fut.set_result((ok, value))
+
+    def _lost(self, why: str) -> None:
+        if self.dead is None:
+            self.dead = why
+        if not self.ready.done():
+            self.ready.set_result(None)  # waiters then see ``dead``
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_result((False, self.dead))
+        self.pending.clear()
+
+    async def request(self, op: str, env_id: int, payload: Any = None) -> tuple[bool, Any]:
+        if self.dead is not None:
+            return False, self.dead
+        req = next(self._ids)
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        self.pending[req] = fut
+        try:
+            self.conn.send((req, op, env_id, payload))
+        except Exception as exc:  # noqa: BLE001 - an unpicklable record or action, or a closed pipe
+            self.pending.pop(req, None)
+            return False, f"the request could not be sent to the worker: {_one_line(exc)}"
+        return await fut
+
+    def _reap(self, grace: float) -> None:
+        """Wait ``grace`` seconds for the process to exit, then end it; touches only the process and pipe."""
+        self.process.join(grace)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+        self._reader.join(5)  # returns once the pipe reports EOF; only then is closing it safe
+        self.conn.close()
+
+    def kill(self, why: str) -> None:
+        """Terminate the process now; pending and later requests fail with ``why`` (event-loop thread)."""
+        self._lost(why)
+        self._reap(0)
+
+    async def stop(self) -> None:
+        """Ask the worker to exit, wait for it off the loop, and terminate it if it does not."""
+        if self.dead is None:
+            self._lost("the environment pool was closed")
+            with contextlib.suppress(OSError, ValueError):
+                self.conn.send(None)
+        await asyncio.to_thread(self._reap, 5)
+
+
+# -- the pool -------------------------------------------------------------------------------------------------
