@@ -49,7 +49,9 @@ workload allows and the remaining gap to ``ideal`` is the rollout tail.
 ``--payload`` picks what the sim rollout engines return: ``lengths`` (the
 default: zero-width token ids and log-probs, the same schedule) or
 ``tokens`` (full token tensors through the store). ``--workers`` runs that
-many simulations at once (one process each); ``wall s`` is each run's own.
+many simulations at once (one process each); ``wall s`` is each run's own,
+``cpu s`` the CPU seconds it used (what it costs on a machine shared with
+other jobs, where wall time depends on the load).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import sys
 import time
 from pathlib import Path
@@ -151,6 +154,12 @@ def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new
     return RunConfig.model_validate(data)
 
 
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) this process has used: on a shared machine, what a run cost, unlike its wall."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def warmup_steps(mode: str) -> int:
     """Steps before a mode's pipeline is in steady state: the first k + 1 batches were all admitted at the start."""
     return MODES[mode][1] + 1
@@ -169,9 +178,9 @@ def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_ne
     """One mode at one size: ``steps`` measured steps after the mode's warm-up steps."""
     warm = warmup_steps(mode)
     cfg = config(devices, mode, warm + steps, samples_per_device, max_new, payload)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds()
     s = run_flow(resolve(cfg), virtual=True, write_png=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     util = s["utilisation"]
     rollout_busy = [v for lane, v in util.items() if lane.startswith("rollout/")]
     return {
@@ -193,6 +202,7 @@ def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_ne
         "rollout_busy_s_per_step": (sum(rollout_busy) / max(1, len(rollout_busy))) * s["run_seconds"] / s["steps"],
         "train_busy_s_per_step": util.get("train", 0.0) * s["run_seconds"] / s["steps"],
         "wall_s": wall,
+        "cpu_s": cpu,
         "payload": payload,
     }
 
@@ -260,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         _report(a, sizes, ([run_one(*job) for job in jobs if job[0] == d] for d in sizes), results)
     out = {"results": results, "steps": a.steps, "samples_per_device": a.samples_per_device, "n": N,
            "max_new_tokens": a.max_new_tokens, "payload": a.payload, "workers": a.workers,
-           "sweep_wall_s": time.perf_counter() - t0}
+           "sweep_wall_s": time.perf_counter() - t0, "sweep_cpu_s": sum(r["cpu_s"] for r in results)}
     if a.json:
         print(json.dumps(out))
     else:
@@ -292,16 +302,18 @@ def _report(a: argparse.Namespace, sizes: list[int], by_size: Any, results: list
 
 
 def _table(out: dict[str, Any]) -> None:
-    print(f"sweep: {out['sweep_wall_s']:.0f} s wall ({out['workers']} worker(s), payload {out['payload']})")
+    print(f"sweep: {out['sweep_wall_s']:.0f} s wall, {out['sweep_cpu_s']:.0f} CPU s in the simulations "
+          f"({out['workers']} worker(s), payload {out['payload']})")
     head = ("devices", "mode", "k", "roll/train dev", "samples/s", "vs sync", "vs ideal", "vs overlap", "stale>k",
-            "requeued", "wall s")
+            "requeued", "wall s", "cpu s")
     print(" | ".join(head))
     print(" | ".join("---" for _ in head))
     for r in out["results"]:
         print(" | ".join(str(x) for x in (
             r["devices"], r["mode"], r["max_staleness"], f'{r["rollout_replicas"]}/{r["trainer_devices"]}',
             f'{r["samples_per_s"]:.2f}', f'{r["speedup_vs_sync"]:.2f}x', f'{r["efficiency_vs_ideal"]:.2f}',
-            f'{r["vs_overlap_bound"]:.2f}', r["violations"], r["requeued"], f'{r["wall_s"]:.1f}')))
+            f'{r["vs_overlap_bound"]:.2f}', r["violations"], r["requeued"], f'{r["wall_s"]:.1f}',
+            f'{r["cpu_s"]:.1f}')))
 
 
 if __name__ == "__main__":

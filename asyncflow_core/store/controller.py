@@ -46,7 +46,9 @@ slot, so a row id is found by binary search and candidates come out oldest
 first without sorting); a ready bitmask per row (63 columns per int64 word);
 per task an int8 state (free/leased/done) and an int64 lease id. Dropped rows
 are marked dead and compacted away once they are the majority, so ``gc`` is
-O(rows acknowledged) and compaction is amortised.
+O(rows acknowledged) and compaction is amortised. Per task and column set a
+bool per row (free, alive, ready) is kept up to date by every change, so a
+lease attempt reads one column instead of re-deriving it.
 """
 
 from __future__ import annotations
@@ -129,6 +131,15 @@ def normalize_versions(versions: torch.Tensor | Sequence | None, n: int) -> torc
     return v
 
 
+def has_repeats(ids: torch.Tensor) -> bool:
+    """Whether a 1-D int tensor holds a value twice (strictly increasing ids, the usual case, skip the sort)."""
+    if ids.numel() < 2:
+        return False
+    if bool((ids[1:] > ids[:-1]).all()):
+        return False
+    return torch.unique(ids).numel() != ids.numel()
+
+
 def _grow(t: torch.Tensor, cap: int, fill: int = 0) -> torch.Tensor:
     out = torch.full((cap, *t.shape[1:]), fill, dtype=t.dtype)
     out[: t.shape[0]] = t
@@ -184,6 +195,16 @@ class Controller:
         self._ready = torch.zeros((cap, 1), dtype=torch.int64)
         self._state: list[torch.Tensor] = []
         self._lease_of: list[torch.Tensor] = []
+        #: (task index, needed ready masks) -> bool per slot: free for the task, alive, ready for those columns.
+        #: Built on a task's first lease of those columns and kept up to date by every change of state,
+        #: liveness or readiness, so a lease attempt costs one pass over a bool column instead of a pass
+        #: per condition (a run retries leases thousands of times while few rows change in between).
+        self._eligible_cache: dict[tuple[int, tuple[tuple[int, int], ...]], torch.Tensor] = {}
+        #: the last ids whose slots were all found, and those slots: a put or an ack resolves the same ids
+        #: two or three times in a row (check, mark ready, wake; ack, gc). Any change of which rows live
+        #: where (add, drop, compaction, reset) bumps the generation and so drops it.
+        self._slots_memo: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._slots_gen = getattr(self, "_slots_gen", 0) + 1
         self._tasks: dict[str, _Task] = {}
         self._columns: dict[str, int] = {}
         self._partitions: dict[str, int] = {}
@@ -232,6 +253,7 @@ class Controller:
         self._ready = _grow(self._ready, new)
         self._state = [_grow(s, new) for s in self._state]
         self._lease_of = [_grow(s, new) for s in self._lease_of]
+        self._eligible_cache.clear()
 
     def _column_bit(self, name: str) -> int:
         bit = self._columns.get(name)
@@ -380,8 +402,11 @@ class Controller:
         for st, lo in zip(self._state, self._lease_of, strict=True):
             st[s] = FREE
             lo[s] = 0
+        for (_, needs), elig in self._eligible_cache.items():
+            elig[s] = not needs  # free and alive; ready only when no column is needed
         self._n += n
         self._next_row_id += n
+        self._slots_gen += 1
         self._live += n
         self._counters["rows_put"] += n
         return ids
@@ -391,6 +416,10 @@ class Controller:
         ids = _as_ids(row_ids)
         if ids.numel() == 0:
             return ids
+        memo = self._slots_memo
+        if (memo is not None and memo[0] == self._slots_gen and memo[1].numel() == ids.numel()
+                and torch.equal(memo[1], ids)):
+            return memo[2]
         if self._n == 0:
             ok = torch.zeros_like(ids, dtype=torch.bool)
             pos = ids
@@ -399,6 +428,7 @@ class Controller:
             pos = torch.searchsorted(known, ids).clamp_(max=self._n - 1)
             ok = (known[pos] == ids) & self._alive[pos]
         if bool(ok.all()):
+            self._slots_memo = (self._slots_gen, ids.clone(), pos)
             return pos
         if missing == "drop":
             return pos[ok]
@@ -412,7 +442,7 @@ class Controller:
         """Raise ``UnknownRowError`` unless every id names a live row (and none repeats)."""
         ids = _as_ids(row_ids)
         self._slots(ids)
-        if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+        if has_repeats(ids):
             raise InvalidRequestError("row ids repeat; write each row once per call")
 
     def live_mask(self, row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -441,6 +471,7 @@ class Controller:
                 raise InvalidRequestError(f"num_tokens has {tok.numel()} entries for {n} rows")
         for w, mask in self._need_masks(columns):
             self._ready[slots, w] |= mask
+        self._refresh_eligible(slots)
         if v is not None:
             cur_min, cur_max = self._minv[slots], self._maxv[slots]
             self._minv[slots] = torch.where(cur_min < 0, v[:, 0], torch.minimum(cur_min, v[:, 0]))
@@ -519,22 +550,19 @@ class Controller:
         empty = torch.empty(0, dtype=torch.int64)
         if partition is not None and partition not in self._partitions:
             return empty, False
-        needs = self._need_masks(columns)
+        needs = tuple(self._need_masks(columns))
         pid = self._partitions[partition] if partition is not None else None
-        state = self._state[t.index]
+        elig = self._eligible_mask(t.index, needs)
         chunk = n if limit <= 0 else max(_SCAN_CHUNK, limit)
         found: list[torch.Tensor] = []
         total = 0
         for lo in range(0, n, max(chunk, 1)):
             hi = min(n, lo + chunk)
-            mask = state[lo:hi] == FREE
-            mask &= self._alive[lo:hi]
-            for w, need in needs:
-                mask &= (self._ready[lo:hi, w] & need) == need
+            mask = elig[lo:hi]  # the cache itself: the filters below must not write into it
             if min_version is not None:
-                mask &= self._minv[lo:hi] >= min_version
+                mask = mask & (self._minv[lo:hi] >= min_version)
             if pid is not None:
-                mask &= self._partition[lo:hi] == pid
+                mask = mask & (self._partition[lo:hi] == pid)
             idx = mask.nonzero().squeeze(1)
             if lo:
                 idx += lo
@@ -546,6 +574,32 @@ class Controller:
         if not found:
             return empty, False
         return (torch.cat(found) if len(found) > 1 else found[0]), False
+
+    def _eligible_now(self, task_index: int, needs: Sequence[tuple[int, int]], slots: torch.Tensor | slice
+                      ) -> torch.Tensor:
+        """Bool per slot of ``slots``: free for the task, alive, and ready for every (word, mask) of ``needs``."""
+        ok = (self._state[task_index][slots] == FREE) & self._alive[slots]
+        for w, need in needs:
+            ok &= (self._ready[slots, w] & need) == need
+        return ok
+
+    def _eligible_mask(self, task_index: int, needs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """The kept-up-to-date eligibility of every slot (see ``_eligible_cache``); built on first use."""
+        key = (task_index, needs)
+        elig = self._eligible_cache.get(key)
+        if elig is None:
+            elig = torch.zeros(self._alloc(), dtype=torch.bool)
+            elig[: self._n] = self._eligible_now(task_index, needs, slice(0, self._n))
+            self._eligible_cache[key] = elig
+        return elig
+
+    def _refresh_eligible(self, slots: torch.Tensor, task_index: int | None = None) -> None:
+        """Recompute the cached eligibility of ``slots`` (for one task's entries, or all) after a change."""
+        if slots.numel() == 0:
+            return
+        for (ti, needs), elig in self._eligible_cache.items():
+            if task_index is None or ti == task_index:
+                elig[slots] = self._eligible_now(ti, needs, slots)
 
     def _candidates(self, slots: torch.Tensor) -> Candidates:
         # index_select, not advanced indexing: several times faster on 10^6-row gathers
@@ -693,7 +747,7 @@ class Controller:
         if allpos.numel():
             if int(allpos.min()) < 0 or int(allpos.max()) >= len(cands):
                 raise InvalidRequestError(f"sampler {type(smp).__name__} returned positions outside the candidates")
-            if torch.unique(allpos).numel() != allpos.numel():
+            if has_repeats(allpos):
                 raise InvalidRequestError(
                     f"sampler {type(smp).__name__} returned a row twice (or to two DP ranks); parts must be disjoint"
                 )
@@ -722,6 +776,9 @@ class Controller:
         self._next_lease_id += 1
         self._state[t.index][slots] = LEASED
         self._lease_of[t.index][slots] = lid
+        for (ti, _), elig in self._eligible_cache.items():
+            if ti == t.index:
+                elig[slots] = False
         row_ids = cands.row_ids[pos]
         deadline = now + lease_s
         self._leases[lid] = _Lease(task, row_ids, columns, deadline, consumer, lease_s, reserved)
@@ -807,6 +864,7 @@ class Controller:
         slots = slots[self._lease_of[t.index][slots] == lease_id]
         self._state[t.index][slots] = new_state
         self._lease_of[t.index][slots] = 0
+        self._refresh_eligible(slots, t.index)
         return int(slots.numel())
 
     def ack(self, lease_id: int, now: float | None = None) -> int:
@@ -885,6 +943,9 @@ class Controller:
     def _drop(self, slots: torch.Tensor) -> torch.Tensor:
         ids = self._row_id[slots].clone()
         self._alive[slots] = False
+        self._slots_gen += 1
+        for elig in self._eligible_cache.values():
+            elig[slots] = False
         k = int(slots.numel())
         self._live -= k
         self._dead += k
@@ -967,6 +1028,8 @@ class Controller:
         self._alive[k:n] = False
         self._n = k
         self._dead = 0
+        self._eligible_cache.clear()  # slots moved
+        self._slots_gen += 1
 
     # ------------------------------------------------------------------ checkpoint, stats
 
@@ -1028,6 +1091,8 @@ class Controller:
         for name, st in state["task_state"].items():
             self._state[self._tasks[name].index][:k] = st
         self._n = self._live = k
+        self._eligible_cache.clear()
+        self._slots_gen += 1
         self._ended = set(state["ended"])
         self._ended_all = bool(state["ended_all"])
         self._next_row_id = int(state["next_row_id"])

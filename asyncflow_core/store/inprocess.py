@@ -116,7 +116,11 @@ class _Waiters:
 
 
 def _resolve_all(items: list, exc: BaseException | None) -> None:
+    running = asyncio._get_running_loop()  # noqa: SLF001 - the cheap probe (no exception when there is none)
     for loop, fut, *_ in items:
+        if loop is running:  # the waiter's loop runs this thread: same queue, without waking its selector
+            loop.call_soon(_resolve, fut, exc)
+            continue
         try:
             loop.call_soon_threadsafe(_resolve, fut, exc)
         except RuntimeError:  # that loop is closed: nobody is waiting there any more

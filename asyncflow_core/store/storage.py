@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from asyncflow_core.store.controller import has_repeats
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, UnknownColumnError, UnknownRowError
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
@@ -223,7 +224,7 @@ class StorageUnit:
             return
         if int(ids.min()) < 0:
             raise InvalidRequestError("row ids must be non-negative")
-        if ids.numel() > 1 and torch.unique(ids).numel() != ids.numel():
+        if has_repeats(ids):
             raise InvalidRequestError("row ids repeat in one write; write each row once per call")
         # everything validated: from here on nothing raises on bad input
         for name, col in columns.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
@@ -108,15 +109,34 @@ class GenerationResult:
                 f"got lengths {n}, {len(self.logprobs)}, {len(self.versions)}"
             )
 
-    @property
+    # Computed once per result (the runtime asks several times per result) and cached in the instance
+    # dict: results are immutable, ``versions`` included (consumers must not modify it in place).
+    @functools.cached_property
     def min_version(self) -> int | None:
         """Oldest policy version among the tokens (``None`` when no token was generated)."""
-        if not len(self.versions):
-            return None
-        return int(self.versions.min()) if isinstance(self.versions, torch.Tensor) else min(self.versions)
+        return _version_bound(self.versions, min)
 
-    @property
+    @functools.cached_property
     def max_version(self) -> int | None:
-        if not len(self.versions):
-            return None
-        return int(self.versions.max()) if isinstance(self.versions, torch.Tensor) else max(self.versions)
+        """Newest policy version among the tokens (``None`` when no token was generated)."""
+        return _version_bound(self.versions, max)
+
+
+def with_version_range(result: GenerationResult, lo: int | None, hi: int | None) -> GenerationResult:
+    """Record ``result``'s oldest and newest token versions when the engine already knows them (it then spares
+    the scan of ``versions``); returns ``result``. They must be what :attr:`GenerationResult.min_version` and
+    :attr:`GenerationResult.max_version` would compute."""
+    result.__dict__["min_version"] = lo  # where functools.cached_property keeps them
+    result.__dict__["max_version"] = hi
+    return result
+
+
+def _version_bound(versions: Sequence[int] | torch.Tensor, pick: Any) -> int | None:
+    """``pick`` (min or max) of ``versions``; None when empty. One element answers for a constant view."""
+    if not len(versions):
+        return None
+    if isinstance(versions, torch.Tensor):
+        if versions.dim() == 1 and versions.stride(0) == 0:  # an expanded scalar (e.g. lengths-only results)
+            return int(versions[0])
+        return int(versions.min() if pick is min else versions.max())
+    return int(pick(versions))

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from asyncflow_core.errors import EngineError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
+from asyncflow_core.types.generation import with_version_range
 from asyncflow_plugins.sim.latency import ResponseLengths, RolloutLatency
 from asyncflow_plugins.sim.policy import cyclic_slice, logprob_buffer, request_uniform, token_buffer
 
@@ -70,7 +71,7 @@ class SimRolloutConfig(BaseModel):
 @dataclass(eq=False)
 class _Seq:
     request: GenerationRequest
-    owner: asyncio.Queue
+    owner: _Inbox
     offset: int  # where this request's tokens start in the shared token buffer
     prompt_len: int
     prefix_len: int
@@ -141,7 +142,6 @@ class SimRolloutEngine(RolloutEngine):
         self._shut = False
         self._failure: BaseException | None = None
         self._tokens: torch.Tensor = torch.empty(0, dtype=torch.int64)
-        self._stamps: dict[int, torch.Tensor] = {}
 
     # -- properties -------------------------------------------------------------
     @property
@@ -241,7 +241,7 @@ class SimRolloutEngine(RolloutEngine):
             dupes = {i for i in ids if i in self._inflight}
             if dupes:
                 raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Inbox()
         mine = [self._submit(r, queue) for r in requests]
         pending = len(mine)
         if self._could_admit():
@@ -261,7 +261,7 @@ class SimRolloutEngine(RolloutEngine):
                         self._mark_abort(seq)
                 self._poke_scheduler()
 
-    def _submit(self, request: GenerationRequest, owner: asyncio.Queue) -> _Seq:
+    def _submit(self, request: GenerationRequest, owner: _Inbox) -> _Seq:
         c = self.config
         # a seeded request draws from its seed and prompt (same seed and prompt, same tokens and length, in any
         # call), others from their id
@@ -340,8 +340,10 @@ class SimRolloutEngine(RolloutEngine):
         ids: list[torch.Tensor] = []
         lps: list[torch.Tensor] = []
         vers: list[torch.Tensor] = []
+        lo = hi = None  # the version range, known without scanning the tensors
         if seq.prefix_len:  # a resumed request: its earlier tokens come first
             vers.append(torch.as_tensor(r.prefix_versions, dtype=torch.int64))
+            lo, hi = min(r.prefix_versions), max(r.prefix_versions)
             if not lengths_only:
                 ids.append(torch.as_tensor(r.prefix_token_ids, dtype=torch.int64))
                 lps.append(torch.as_tensor(r.prefix_logprobs, dtype=torch.float32))
@@ -356,21 +358,22 @@ class SimRolloutEngine(RolloutEngine):
                 run_end = self._log_steps[i + 1] - 1 if i + 1 < len(self._log_steps) else last
                 count = min(run_end, last) - (first + done) + 1
                 v = self._log_versions[i]
+                if count > 0:
+                    lo = v if lo is None or v < lo else lo
+                    hi = v if hi is None or v > hi else hi
                 if lengths_only:  # a stride-0 view: one int64 whatever the length
-                    vers.append(self._stamp(v).expand(count))
+                    vers.append(self._stamp(v, count))
                 else:
                     vers.append(torch.full((count,), v, dtype=torch.int64))
                     lps.append(cyclic_slice(logprob_buffer(c.policy_seed, c.vocab_size, v), start + done, count))
                 done += count
                 i += 1
         if lengths_only:
-            total = seq.prefix_len + new
             # zero-width values: the ragged columns they land in keep offsets (the lengths) and no data
-            token_ids = _NO_IDS.expand(total, 0)
-            logprobs = _NO_LOGPROBS.expand(total, 0)
+            token_ids, logprobs = self._no_values(seq.prefix_len + new)
         else:
             token_ids, logprobs = _join(ids, torch.int64), _join(lps, torch.float32)
-        return GenerationResult(
+        return with_version_range(GenerationResult(
             request_id=r.request_id,
             prompt_token_ids=r.prompt_token_ids,
             token_ids=token_ids,
@@ -379,14 +382,32 @@ class SimRolloutEngine(RolloutEngine):
             finish_reason=reason,
             error=error,
             metadata=r.metadata,
-        )
+        ), lo, hi)
 
-    def _stamp(self, version: int) -> torch.Tensor:
-        """A one-element int64 tensor holding ``version`` (cached: lengths-only results expand it)."""
-        stamp = self._stamps.get(version)
-        if stamp is None:
-            stamp = self._stamps[version] = torch.tensor([version], dtype=torch.int64)
-        return stamp
+    @staticmethod
+    def _stamp(version: int, count: int) -> torch.Tensor:
+        """``count`` copies of ``version`` as a stride-0 int64 view, cached per version and count and shared by
+        every engine (lengths-only results of one length and version share it; nobody writes into a result)."""
+        key = (version, count)
+        view = _STAMPS.get(key)
+        if view is None:
+            base = _STAMPS.get(version)
+            if base is None:
+                base = torch.tensor([version], dtype=torch.int64)
+            if len(_STAMPS) >= _CACHE_MAX:
+                _STAMPS.clear()
+            _STAMPS[version] = base
+            view = _STAMPS[key] = base.expand(count)
+        return view
+
+    def _no_values(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero-width token ids and log-probs of ``total`` rows (cached per length, shared between results)."""
+        pair = _NO_VALUES.get(total)
+        if pair is None:
+            if len(_NO_VALUES) >= _CACHE_MAX:
+                _NO_VALUES.clear()
+            pair = _NO_VALUES[total] = (_NO_IDS.expand(total, 0), _NO_LOGPROBS.expand(total, 0))
+        return pair
 
     # -- abort / pause / resume -------------------------------------------------------
     def _mark_abort(self, seq: _Seq) -> None:
@@ -642,6 +663,37 @@ class SimRolloutEngine(RolloutEngine):
 #: zero-size bases the lengths-only payload expands (a view costs no allocation)
 _NO_IDS = torch.empty((1, 0), dtype=torch.int64)
 _NO_LOGPROBS = torch.empty((1, 0), dtype=torch.float32)
+#: zero-width (ids, log-probs) views per length; they hold no data, so every engine shares them
+_NO_VALUES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_CACHE_MAX = 1 << 16  #: entries per view cache (lengths are capped by max_new_tokens: rarely reached)
+#: version -> a one-element int64 tensor, and (version, count) -> its stride-0 view of ``count`` elements
+_STAMPS: dict[int | tuple[int, int], torch.Tensor] = {}
+
+
+class _Inbox:
+    """The results of one generate() call: a deque and a waiter (an ``asyncio.Queue`` without its extras,
+    which cost more than the rest of a short call)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: object) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> object:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
 
 def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
