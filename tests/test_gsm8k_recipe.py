@@ -63,11 +63,16 @@ def test_the_cpu_stand_in_trains_and_evaluates_checkpoints_pinned_to_their_versi
     run = tmp_path / "run"
     overrides = [f"model.path={ckpt}", "trainer.total_steps=2", "trainer.checkpoint_every=1",
                  "data.prompts_per_step=2", "eval.datasets[0].max_prompts=4", "rollout.max_new_tokens=8",
-                 "eval.max_new_tokens=8"]
+                 "eval.max_new_tokens=8", "eval.every_steps=1"]
     done = subprocess.run([ASYNCFLOW, "run", "examples/gsm8k_cpu.yaml", *overrides, "--run-dir", str(run),
                            "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    # during training: an evaluation pinned to each published version, on the rollout replicas, in metrics.jsonl
+    during = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_version" in r]
+    assert sorted(r["eval_version"] for r in during) == [1, 2], during
+    assert all(r["eval/version_mismatch"] == 0 and r["eval/gsm8k/samples"] + r["eval/gsm8k/failed"] == 8
+               for r in during)
 
     for args, version in (([], 2), (["--checkpoint", "1"], 1)):
         ev = subprocess.run([ASYNCFLOW, "eval", str(run), *args], cwd=ROOT, capture_output=True, text=True,

@@ -30,6 +30,7 @@ from asyncflow_core.flow.engine_pool import EnginePool, Replica
 from asyncflow_core.flow.episode import EpisodeFactory, SingleTurn, SingleTurnEpisodes
 from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re-exported (older imports)
 from asyncflow_core.flow.rollout_episodes import EpisodeDriving
+from asyncflow_core.flow.rollout_eval import EvalDispatch, EvalSlot, training_inflight
 from asyncflow_core.flow.stage import Stage
 from asyncflow_core.flow.staleness import StalenessGuard
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
@@ -53,7 +54,7 @@ class _Lease:
 _Req = SingleTurn
 
 
-class RolloutStage(EpisodeDriving, Stage):
+class RolloutStage(EpisodeDriving, EvalDispatch, Stage):
     """Dispatches prompt rows to engine replicas, writes completions row by row as they finish.
 
     One dispatcher leases rows (up to the replicas' free slots) and assigns
@@ -83,7 +84,8 @@ class RolloutStage(EpisodeDriving, Stage):
         self.produces = tuple(self.episodes.columns)
         self.pool = EnginePool(replicas, max_inflight=max_inflight,
                                may_start=lambda r: self.guard.may_start(r.engine.version))
-        self.follower = WeightFollower(transport, self.pool, deadline_s=deadline_s, kv_cache=kv_cache)
+        self.follower = WeightFollower(transport, self.pool, deadline_s=deadline_s, kv_cache=kv_cache,
+                                       hold=self._eval_hold)
         self.guard: StalenessGuard  # set by bind (it reads the run's version and bound)
         self.transport = transport
         self.sampling = sampling
@@ -154,6 +156,7 @@ class RolloutStage(EpisodeDriving, Stage):
                                          on_updated=self._weights_updated))
 
     async def _weights_updated(self, r: Replica) -> None:
+        await self._eval_weights_moved()
         self._dispatch()
         self._poke()
         await self.ctx.notify()  # waiters on a replica's version (the weights canary) look again
@@ -185,8 +188,9 @@ class RolloutStage(EpisodeDriving, Stage):
                 lease = _Lease(meta, len(meta))
                 prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
                 gids = batch[C.GROUP_ID].tolist()
+                vals, offs = prompts.values.tolist(), prompts.offsets.tolist()  # one conversion, not one per row
                 for i, row in enumerate(meta.row_ids.tolist()):
-                    ep = self.episodes.new(row, lease, tuple(prompts[i].tolist()), int(gids[i]), ctx)
+                    ep = self.episodes.new(row, lease, tuple(vals[offs[i]:offs[i + 1]]), int(gids[i]), ctx)
                     if ep.multi_turn:
                         self._begin(ep)
                     else:
@@ -208,6 +212,7 @@ class RolloutStage(EpisodeDriving, Stage):
 
     def _dispatch(self) -> None:
         """Assign pending requests to eligible replicas (most free slots first), one generate call per replica."""
+        self._dispatch_eval()  # evaluations first, within their share of each replica's slots
         if not self._pending:
             return
         if self.episodes.multi_turn:  # an episode whose earlier turns fell out of the bound while it waited
@@ -282,12 +287,15 @@ class RolloutStage(EpisodeDriving, Stage):
             return  # already dead
         self._mark_busy(r)
         self.ctx.counters["replicas_died"] += 1
-        self.ctx.counters["requeued_engine_death"] += len(orphans)
+        self.ctx.counters["requeued_engine_death"] += sum(not isinstance(q, EvalSlot) for q in orphans)
         log.error("rollout replica %d died (%s: %s); re-queuing its %d requests", r.index, type(exc).__name__, exc,
                   len(orphans))
         for q in orphans:
+            if isinstance(q, EvalSlot):
+                continue  # the eval queue takes those back below
             q.retry_turn()  # an episode re-runs only the turn it was sampling (its environment is untouched)
             self._pending.append(q)
+        await self._eval_replica_died(r)
         if r.reviving:  # the engine can be replaced (a launcher's remote replica): do it, then reload weights
             self._spawn(self._revive(r))
         self._dispatch()
@@ -348,7 +356,7 @@ class RolloutStage(EpisodeDriving, Stage):
             for r in self.replicas:
                 if r.dead or not r.engine.features.supports_abort:
                     continue
-                ids = self.guard.to_abort(r.inflight, seen)
+                ids = self.guard.to_abort(training_inflight(r), seen)
                 if ids:
                     ctx.counters["aborted_stale"] += len(ids)
                     try:

@@ -38,6 +38,7 @@ from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.ledger import Ledger
 from asyncflow_core.flow.pipeline import PipelinePlan
 from asyncflow_core.flow.roles import RoleSpec, Roles, run_roles
+from asyncflow_core.flow.run_eval import attach_eval, finish_evals
 from asyncflow_core.flow.run_report import StepLogger, run_summary, scalar_sinks, steady_rate, write_run_files
 from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage
 from asyncflow_core.flow.stages import RolloutStage
@@ -298,6 +299,7 @@ class FlowRuntime:
             step_log.extras.append(canary.take_metrics)
             ctx.events.subscribe(VersionPublished, canary.published, name="canary")
         ctx.events.subscribe(VersionPublished, step_log.on_step, name="metrics")
+        evals = attach_eval(self, ctx, rollout, reward, tokenizer, dataset, metrics, step_log, sampling, clock)
         if cfg.trainer.checkpoint_every:
             assert self.run_dir is not None
             ckpt = Checkpointer(self.run_dir, trainer, ctx.ledger, data_print, lambda: step_log.tokens,
@@ -326,6 +328,8 @@ class FlowRuntime:
             step_log.started()  # step 1's width starts now, not before the engines' start-up
 
         async def stop(clean: bool) -> None:
+            if clean and evals is not None:  # the rounds still open (the last version's), on the newest weights
+                await finish_evals(evals, rollout, ctx, cfg.rollout.max_inflight)
             with contextlib.suppress(Exception):  # the environment pool's workers (multi-turn episodes)
                 await episodes.close()
             await teardown(cfg, ctx, canary=canary, rollout=rollout, step_log=step_log, store=store,
@@ -371,3 +375,4 @@ def run_flow(resolved: ResolvedConfig, *, virtual: bool = False, run_dir: Path |
 
         return run_virtual(runtime.run())
     return asyncio.run(runtime.run())
+
