@@ -31,6 +31,7 @@ from asyncflow_core.flow.rollout_stage import RolloutStage
 from asyncflow_core.flow.stage import PER_RESPONSE_TOKEN, STANDARD_COLUMN_TYPES, Stage
 from asyncflow_core.flow.stages import AdvantageStage, LogprobStage, PromptFeeder, RewardStage, TrainStage
 from asyncflow_core.interfaces import KVCachePolicy
+from asyncflow_core.interfaces.features import algorithm_features
 
 __all__ = ["ColumnType", "Pipeline", "PipelinePlan", "check_columns", "column_type"]
 
@@ -185,6 +186,11 @@ class PipelinePlan:
                                        batch_size=cfg.pipeline.logprob_batch, values=self.needs_values, lock=lock))
         inputs = [c for c in algorithm.required_columns if c != C.ADVANTAGES]
         inputs += [c for st in added for c in st.produces]  # every added stage sees a sample first
+        if C.LOSS_MASK in rollout.produces and not algorithm_features(algorithm).honours_loss_mask:
+            raise ConfigError(f"algorithm {cfg.algorithm.name!r} does not declare that its loss skips masked tokens "
+                              "(AlgorithmFeatures.honours_loss_mask), so these episodes would train on observation "
+                              "and tool tokens; use grpo, rloo, reinforce_pp or ppo, or declare it once the loss "
+                              "honours loss_mask (the spec's AlgorithmSpec checks it)")
         # episodes: the trainer gets the loss mask, and each step's record the per-episode figures (dense, small)
         inputs += [c for c in rollout.produces if c in _EPISODE_TO_TRAINER and c not in inputs]
         # a lease takes every whole group that is ready, up to one step's worth (partial: it never waits for

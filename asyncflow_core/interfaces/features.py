@@ -92,6 +92,10 @@ class AlgorithmFeatures(Features):
         description="group: compute_advantages needs one whole prompt group at a time (the advantage stage); "
         "step: it normalises over the whole optimizer step, so the train stage calls it on the step's rows."
     )
+    honours_loss_mask: bool = Field(
+        False, description="Its loss skips tokens with loss_mask 0 (observations, tool output): required for "
+        "multi-turn and captured episodes, which a run refuses otherwise (they would train on tool output)."
+    )
 
 
 def reward_features(reward: object) -> RewardFeatures:
@@ -117,4 +121,5 @@ def algorithm_features(algorithm: object) -> AlgorithmFeatures:
     if isinstance(declared, AlgorithmFeatures):
         return declared
     scope = getattr(algorithm, "advantage_scope", "group")
-    return AlgorithmFeatures(advantage_scope=str(getattr(scope, "value", scope)))
+    return AlgorithmFeatures(advantage_scope=str(getattr(scope, "value", scope)),
+                             honours_loss_mask=bool(getattr(algorithm, "honours_loss_mask", False)))

@@ -160,6 +160,8 @@ class PolicyGradientAlgorithm(Algorithm):
     """
 
     config: PolicyLossOptions
+    #: masked tokens contribute nothing (checked by AlgorithmSpec; read through ``algorithm_features``)
+    honours_loss_mask = True
 
     def __init__(self, config: PolicyLossOptions) -> None:
         self.config = config

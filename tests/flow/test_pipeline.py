@@ -65,3 +65,23 @@ def test_a_plugin_that_produces_ref_logprobs_replaces_the_reference_model():
 def test_a_reward_replacement_must_produce_reward():
     with pytest.raises(ConfigError, match="pipeline.replace.reward: stage 'judge' must produce the 'reward' column"):
         _plan([C.REWARD], reward_stage=stage("judge", [C.RESPONSE_IDS], ["score"]))
+
+
+def test_episodes_with_a_loss_mask_need_an_algorithm_that_honours_it():
+    """Multi-turn rows carry loss_mask 0 on tool output: an algorithm that does not declare it skips masked tokens
+    is refused before anything runs (it would train on tool output)."""
+    from asyncflow_core.config import load_config
+    from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT
+
+    cfg = load_config("examples/agent_guess.yaml")
+    episodes = SimpleNamespace(columns=(*ROLLOUT_OUT, C.LOSS_MASK, C.REWARD), multi_turn=True)
+    old_algo = SimpleNamespace(required_columns=(C.ADVANTAGES, C.BEHAVIOR_LOGPROBS))
+    plan = PipelinePlan(cfg=cfg, algorithm=old_algo, plugins=[])
+    with pytest.raises(ConfigError, match="does not declare that its loss skips masked tokens"):
+        plan.build(dataset=[], tokenizer=None, replicas=[], transport=None, sampling=None, reward=None,
+                   trainer=None, rollout_options={"episodes": episodes})
+    from asyncflow_core.interfaces.features import algorithm_features
+    from asyncflow_core.plugins import get_plugin_manager
+
+    for name in ("grpo", "rloo", "reinforce_pp", "ppo"):  # the built-ins all honour it (AlgorithmSpec proves it)
+        assert algorithm_features(get_plugin_manager().create("algorithm", name, {})).honours_loss_mask, name
