@@ -39,8 +39,14 @@ TURN_REWARDS = "turn_rewards"  #: ragged float32, episodes: one reward per polic
 EPISODE_TURNS = "episode_turns"  #: dense int64, episodes: policy turns taken
 EPISODE_TOOL_CALLS = "episode_tool_calls"  #: dense int64, episodes: tool calls (the steps' ``info['tool_calls']``)
 EPISODE_TOOL_OK = "episode_tool_ok"  #: dense int64, episodes: tool calls that succeeded (``info['tool_ok']``)
-EPISODE_ENV_S = "episode_env_s"  #: dense float32, episodes: seconds spent in the environment's reset and steps
+#: dense float32, episodes: seconds spent in the environment's reset and steps (the environment pool's own timing:
+#: inside the worker process for environments that live in one)
+EPISODE_ENV_S = "episode_env_s"
 EPISODE_MASKED_FRAC = "episode_masked_frac"  #: dense float32, episodes: fraction of response tokens with loss mask 0
+#: dense float32, episodes: seconds in tools (sum of the steps' ``info['tool_seconds']``); NaN when no step reported it
+EPISODE_TOOL_S = "episode_tool_s"
+#: dense float32, episodes: the last step's ``info['correct']`` (numeric); NaN when the environment did not report it
+EPISODE_CORRECT = "episode_correct"
 
 #: Kind (``"dense"`` or ``"ragged"``) and dtype of every standard column: what a placeholder for a failed row
 #: is written in, and what the pipeline's column checks know.
@@ -68,6 +74,8 @@ STANDARD_COLUMN_TYPES: dict[str, tuple[str, torch.dtype]] = {
     EPISODE_TOOL_OK: ("dense", torch.int64),
     EPISODE_ENV_S: ("dense", torch.float32),
     EPISODE_MASKED_FRAC: ("dense", torch.float32),
+    EPISODE_TOOL_S: ("dense", torch.float32),
+    EPISODE_CORRECT: ("dense", torch.float32),
 }
 
 #: Ragged standard columns with one value per response token (their offsets are the response's).
@@ -76,4 +84,4 @@ PER_RESPONSE_TOKEN = frozenset({BEHAVIOR_LOGPROBS, RESPONSE_VERSIONS, OLD_LOGPRO
 
 #: The columns an episode writes beside the single-turn rollout's (``reward`` too when the environment owns it).
 EPISODE_COLUMNS = (LOSS_MASK, TURN_IDS, TURN_REWARDS, EPISODE_TURNS, EPISODE_TOOL_CALLS, EPISODE_TOOL_OK,
-                   EPISODE_ENV_S, EPISODE_MASKED_FRAC)
+                   EPISODE_ENV_S, EPISODE_MASKED_FRAC, EPISODE_TOOL_S, EPISODE_CORRECT)

@@ -56,8 +56,11 @@ from asyncflow_core.flow.env_workers import (  # noqa: F401 - re-exported: calle
 class PooledEnvironment(Environment):
     """One episode's environment as the pool runs it; raises only :class:`EnvironmentFailure`.
 
-    ``timings`` lists every call with its seconds; ``seconds`` is their sum
-    (the episode's environment time).
+    ``timings`` lists every call with its seconds, measured where the call
+    runs: from the call's first instruction to its answer (in a worker
+    process, by the worker, without the pipe; in the event loop, without the
+    wait to be scheduled); ``seconds`` is their sum (the episode's
+    environment time).
     """
 
     def __init__(self, pool: EnvironmentPool, features: EnvironmentFeatures, tools: Sequence[ToolSpec],
@@ -106,25 +109,32 @@ class PooledEnvironment(Environment):
         if self.closed and call != "close":
             raise EnvironmentFailure(f"environment {_where(call, turn)} after close", call=call, turn=turn)
         start = time.perf_counter()
+        measured: list[float] = []  # the call's own seconds (no pipe, no wait to be scheduled in this loop)
         try:
             if self._worker is None:
-                return await self._in_loop(call, turn, payload)
-            return await self._in_worker(call, turn, payload)
+                return await self._in_loop(call, turn, payload, measured)
+            return await self._in_worker(call, turn, payload, measured)
         finally:
-            self.timings.append(CallTiming(call, turn, time.perf_counter() - start))
+            self.timings.append(CallTiming(call, turn, measured[0] if measured else time.perf_counter() - start))
 
-    async def _in_loop(self, call: str, turn: int | None, payload: Any) -> Any:
+    async def _in_loop(self, call: str, turn: int | None, payload: Any, measured: list[float]) -> Any:
         assert self._env is not None
         env = self._env
-        if call == "reset":
-            coro = env.reset(payload[0], seed=payload[1])
-        elif call == "step":
-            coro = env.step(payload)
-        else:
-            coro = env.close()
+
+        async def timed() -> Any:  # timed from its first run: the task's wait to be scheduled is not the call's
+            start = time.perf_counter()
+            try:
+                if call == "reset":
+                    return await env.reset(payload[0], seed=payload[1])
+                if call == "step":
+                    return await env.step(payload)
+                return await env.close()
+            finally:
+                measured.append(time.perf_counter() - start)
+
         timeout = self._pool.step_timeout_s
         try:
-            value = await asyncio.wait_for(coro, timeout)
+            value = await asyncio.wait_for(timed(), timeout)
             if call == "step":
                 return _check_step(value)
             return _check_observation(value, "reset") if call == "reset" else value
@@ -138,14 +148,15 @@ class PooledEnvironment(Environment):
             raise EnvironmentFailure(f"environment {_where(call, turn)} failed: {_one_line(exc)}",
                                      call=call, turn=turn) from None
 
-    async def _in_worker(self, call: str, turn: int | None, payload: Any) -> Any:
+    async def _in_worker(self, call: str, turn: int | None, payload: Any,
+                         measured: list[float] | None = None) -> Any:
         assert self._worker is not None
         worker = self._worker
         if call == "close" and worker.dead is not None:
             return None  # the process is gone, and with it what the environment held
         timeout = self._pool.step_timeout_s
         try:
-            ok, value = await asyncio.wait_for(worker.request(call, self._env_id, payload), timeout)
+            ok, value = await asyncio.wait_for(worker.request(call, self._env_id, payload, measured), timeout)
         except asyncio.TimeoutError:
             why = (f"worker process {worker.index} was restarted after a {_where(call, turn)} of another episode "
                    f"timed out after {timeout:g}s")

@@ -11,6 +11,7 @@ import inspect
 import itertools
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,9 @@ _READY = -1  #: request id of the message a worker sends once it is up
 
 @dataclass(frozen=True)
 class CallTiming:
-    """Seconds one environment call took, as the rollout process saw it (IPC included for workers)."""
+    """Seconds one environment call took, measured where it ran: in the event loop from its first run (not the
+    wait to be scheduled); in a worker process by the worker (no pipe, no wait for the rollout process's loop);
+    the wait as the rollout process saw it when no answer came (a lost worker)."""
 
     call: str  #: open, reset, step or close
     turn: int | None  #: the step's turn; None for the other calls
@@ -129,14 +132,16 @@ def _worker_main(conn: Any, factory: EnvironmentFactory) -> None:
     tasks: set[asyncio.Task[None]] = set()  # strong references until each call is answered
     send_lock = threading.Lock()
 
-    def reply(req: int, ok: bool, value: Any) -> None:
+    def reply(req: int, ok: bool, value: Any, seconds: float = 0.0) -> None:
         with send_lock:
             try:
-                conn.send((req, ok, value))
+                conn.send((req, ok, value, seconds))
             except Exception as exc:  # noqa: BLE001 - an unpicklable result is reported, not lost
-                conn.send((req, False, f"the result could not be sent back from the worker: {_one_line(exc)}"))
+                conn.send((req, False, f"the result could not be sent back from the worker: {_one_line(exc)}",
+                           seconds))
 
     async def handle(req: int, op: str, env_id: int, payload: Any) -> None:
+        start = time.perf_counter()  # the call's own seconds, sent back with its answer
         try:
             if op == "open":
                 env = await _build(factory)
@@ -153,9 +158,9 @@ def _worker_main(conn: Any, factory: EnvironmentFactory) -> None:
             else:
                 raise ValueError(f"unknown request {op!r}")
         except Exception as exc:  # noqa: BLE001 - every failure goes back as a reason
-            reply(req, False, _one_line(exc))
+            reply(req, False, _one_line(exc), time.perf_counter() - start)
         else:
-            reply(req, True, value)
+            reply(req, True, value, time.perf_counter() - start)
 
     def read() -> None:
         while True:
@@ -193,6 +198,7 @@ class _Worker:
         self.episodes = 0  #: environments placed here and not closed yet
         self.dead: str | None = None  #: why this worker is gone
         self.ready: asyncio.Future[None] = self.loop.create_future()  #: resolved once the process is up
+        self.seconds: dict[int, float] = {}  #: request id -> the seconds the worker measured for it (until taken)
         self._ids = itertools.count()
         self._reader = threading.Thread(target=self._read, name=f"env-worker-{index}-replies", daemon=True)
         self._reader.start()
@@ -200,21 +206,22 @@ class _Worker:
     def _read(self) -> None:
         while True:
             try:
-                req, ok, value = self.conn.recv()
+                req, ok, value, seconds = self.conn.recv()
             except (EOFError, OSError):
                 with contextlib.suppress(RuntimeError):  # the loop may be closed already
                     self.loop.call_soon_threadsafe(self._lost, "its worker process exited")
                 return
             with contextlib.suppress(RuntimeError):
-                self.loop.call_soon_threadsafe(self._resolve, req, ok, value)
+                self.loop.call_soon_threadsafe(self._resolve, req, ok, value, seconds)
 
-    def _resolve(self, req: int, ok: bool, value: Any) -> None:
+    def _resolve(self, req: int, ok: bool, value: Any, seconds: float = 0.0) -> None:
         if req == _READY:
             if not self.ready.done():
                 self.ready.set_result(None)
             return
         fut = self.pending.pop(req, None)
         if fut is not None and not fut.done():
+            self.seconds[req] = seconds
             fut.set_result((ok, value))
 
     def _lost(self, why: str) -> None:
@@ -227,7 +234,9 @@ class _Worker:
                 fut.set_result((False, self.dead))
         self.pending.clear()
 
-    async def request(self, op: str, env_id: int, payload: Any = None) -> tuple[bool, Any]:
+    async def request(self, op: str, env_id: int, payload: Any = None,
+                      timing: list[float] | None = None) -> tuple[bool, Any]:
+        """Send one call and wait for its answer; ``timing`` gets the seconds the worker measured, when it did."""
         if self.dead is not None:
             return False, self.dead
         req = next(self._ids)
@@ -238,7 +247,12 @@ class _Worker:
         except Exception as exc:  # noqa: BLE001 - an unpicklable record or action, or a closed pipe
             self.pending.pop(req, None)
             return False, f"the request could not be sent to the worker: {_one_line(exc)}"
-        return await fut
+        try:
+            return await fut
+        finally:
+            seconds = self.seconds.pop(req, None)
+            if seconds is not None and timing is not None:
+                timing.append(seconds)
 
     def _reap(self, grace: float) -> None:
         """Wait ``grace`` seconds for the process to exit, then end it; touches only the process and pipe."""

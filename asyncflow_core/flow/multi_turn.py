@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import contextlib
 import inspect
 import logging
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -44,7 +46,7 @@ from asyncflow_core.types.episode import Segment, Trajectory
 
 log = logging.getLogger("asyncflow.flow")
 
-__all__ = ["EnvOpener", "EpisodeSettings", "MultiTurn", "MultiTurnEpisodes", "Progress"]
+__all__ = ["EnvCallTracer", "EnvOpener", "EpisodeSettings", "MultiTurn", "MultiTurnEpisodes", "Progress"]
 
 
 class Progress(enum.Enum):
@@ -57,6 +59,9 @@ class Progress(enum.Enum):
 
 #: Opens one episode's environment (a fresh object per episode: the plugin factory, or the environment pool's).
 EnvOpener = Callable[[], "Environment | Awaitable[Environment]"]
+#: Traces one environment call: ``tracer(name, args)`` is a context manager around the call yielding ``args``,
+#: which the episode completes before it exits (the run's ``Timeline.slot_span`` on the ``env`` lanes).
+EnvCallTracer = Callable[[str, dict[str, Any]], contextlib.AbstractContextManager[dict[str, Any]]]
 
 
 @dataclass
@@ -87,6 +92,18 @@ def _record_of(record: Any) -> dict[str, Any]:
         return dict(record)
     return {**dict(record.metadata), "prompt": record.prompt, "index": record.index,
             "prompt_token_ids": tuple(record.prompt_token_ids)}
+
+
+def _number(value: Any) -> float | None:
+    """A finite int or float (bools count as 0/1), else None."""
+    if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
+        return float(value)
+    return None
+
+
+@contextlib.contextmanager
+def _untraced(name: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield args
 
 
 def _count(value: Any) -> int:
@@ -123,6 +140,10 @@ class MultiTurn(SingleTurn):
     _tool_calls: int = 0
     _tool_ok: int = 0
     _env_s: float = 0.0
+    _tool_s: float | None = None  #: sum of the steps' ``info["tool_seconds"]`` (None: no step reported it)
+    _correct: float | None = None  #: the last step's ``info["correct"]`` (None: it did not report one)
+    #: traces each reset and step (the rollout stage sets it to its timeline's ``env`` lanes)
+    tracer: EnvCallTracer | None = None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -171,15 +192,43 @@ class MultiTurn(SingleTurn):
     # -- the episode's life --------------------------------------------------------------------
 
     async def _env_call(self, what: str, call: Callable[[], Awaitable[Any]], *, timed: bool = True) -> Any:
+        """``call()`` under the per-step timeout; a failure raises :class:`_Failed` with the reason.
+
+        ``timed`` calls (reset and steps) count in the episode's environment seconds and are traced. Their
+        seconds are the environment pool's own timing of the call (measured inside the worker process when the
+        environment lives in one) when the environment has ``timings``, else the await's wall time.
+        """
         s = self.settings
         assert s is not None
-        t0 = time.perf_counter()
+        if not timed:
+            return await self._guarded(what, call, None)
+        kind, _, turn = what.partition(" ")
+        args: dict[str, Any] = {"row": self.row, **({"turn": int(turn)} if turn else {})}
+        timings = getattr(self.env, "timings", None)
+        n0 = len(timings) if isinstance(timings, list) else None
+        with (self.tracer or _untraced)(kind, args):
+            t0 = time.perf_counter()
+            try:
+                value = await self._guarded(what, call, s.step_timeout_s)
+                info = getattr(value, "info", None)
+                tool_s = _number(info.get("tool_seconds")) if isinstance(info, Mapping) else None
+                if tool_s is not None:
+                    args["tool_s"] = tool_s
+                return value
+            finally:
+                seconds = time.perf_counter() - t0
+                if n0 is not None and len(timings) > n0:  # type: ignore[arg-type]
+                    seconds = sum(float(t.seconds) for t in timings[n0:])  # type: ignore[index]
+                self._env_s += seconds
+                args["env_s"] = seconds
+
+    async def _guarded(self, what: str, call: Callable[[], Awaitable[Any]], timeout: float | None) -> Any:
         try:
-            if s.step_timeout_s is None or not timed:
+            if timeout is None:
                 return await call()
-            return await asyncio.wait_for(call(), s.step_timeout_s)
+            return await asyncio.wait_for(call(), timeout)
         except asyncio.TimeoutError:
-            raise _Failed(f"environment {what} took longer than {s.step_timeout_s:g}s (the per-step timeout)") from None
+            raise _Failed(f"environment {what} took longer than {timeout:g}s (the per-step timeout)") from None
         except asyncio.CancelledError:
             raise
         except AsyncflowError as exc:  # EnvironmentFailure and friends: their message is the reason
@@ -188,8 +237,6 @@ class MultiTurn(SingleTurn):
         except Exception as exc:  # noqa: BLE001 - an environment's bug is that episode's recorded failure
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise _Failed(f"environment {what} raised {type(exc).__name__}: {first}") from None
-        finally:
-            self._env_s += time.perf_counter() - t0
 
     def _fail(self, why: str) -> Progress:
         self.failure = why
@@ -264,6 +311,10 @@ class MultiTurn(SingleTurn):
         info = step.info or {}
         self._tool_calls += _count(info.get("tool_calls", 0))
         self._tool_ok += _count(info.get("tool_ok", 0))
+        tool_s = _number(info.get("tool_seconds"))
+        if tool_s is not None:
+            self._tool_s = (self._tool_s or 0.0) + tool_s
+        self._correct = _number(info.get("correct"))  # the last step's: an earlier answer does not count
         if step.done:
             return Progress.DONE
         if len(self.turn_rewards) >= s.max_turns:
@@ -293,6 +344,10 @@ class MultiTurn(SingleTurn):
                 "truncated": self._finish is FinishReason.LENGTH or self.cut is not None}
         if self.cut:
             info["cut"] = self.cut
+        if self._tool_s is not None:
+            info["tool_s"] = self._tool_s
+        if self._correct is not None:
+            info["correct"] = self._correct
         return Trajectory(prompt_ids=self.prompt, segments=list(self.segments), turn_rewards=list(self.turn_rewards),
                           reward=sum(self.turn_rewards) if s.owns_reward else None, info=info)
 
@@ -317,6 +372,7 @@ class MultiTurn(SingleTurn):
         self._context, self._oldest, self._finish = [], None, None
         self._tool_calls = self._tool_ok = 0
         self._env_s = 0.0
+        self._tool_s = self._correct = None
         self.prompt = self.prompt_stored
 
 

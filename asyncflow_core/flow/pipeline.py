@@ -90,7 +90,7 @@ def check_columns(stages: Sequence[Stage], *, readers: Mapping[str, str] | None 
 #: episode columns the train stage reads when the rollout writes them: the loss mask (the loss) and the dense
 #: per-episode figures (each step's metrics record)
 _EPISODE_TO_TRAINER = (C.LOSS_MASK, C.EPISODE_TURNS, C.EPISODE_TOOL_CALLS, C.EPISODE_TOOL_OK, C.EPISODE_ENV_S,
-                       C.EPISODE_MASKED_FRAC)
+                       C.EPISODE_MASKED_FRAC, C.EPISODE_TOOL_S, C.EPISODE_CORRECT)
 
 
 @dataclass

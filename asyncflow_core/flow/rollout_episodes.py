@@ -9,7 +9,10 @@ the stage's context, guard, writer, pending list and task spawner):
 - an episode's ``begin`` (environment reset, or the agent's start) and each
   ``advance`` (environment step, or the agent's next call) run as tasks of
   their own, holding no replica slot; what they decide (next turn, done,
-  failed, stale) comes back to the dispatch.
+  failed, stale) comes back to the dispatch. Each environment reset and step
+  is a span on the timeline's ``env/<k>`` lanes (the lowest lane free when
+  the call starts, so concurrent calls never share one), with the row, the
+  turn and its environment and tool seconds as the span's args.
 """
 
 from __future__ import annotations
@@ -94,7 +97,13 @@ class EpisodeDriving:
         self._in_env += 1
         self._spawn(self._reset(ep, restart))
 
+    def _trace_env(self, name: str, args: dict[str, Any]) -> Any:
+        """An environment call's span on the lowest free ``env/<k>`` lane of the run's timeline."""
+        return self.ctx.timeline.slot_span("env", name, args)
+
     async def _reset(self, ep: Any, restart: bool) -> None:
+        if hasattr(ep, "tracer"):  # a multi-turn episode: its resets and steps go on the timeline
+            ep.tracer = self._trace_env
         try:
             if restart:
                 await ep.close()

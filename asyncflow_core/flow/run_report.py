@@ -169,7 +169,8 @@ def write_run_files(run_dir: Path, summary: dict[str, Any], timeline: Timeline, 
 
 def episode_figures(batch: Batch) -> dict[str, float]:
     """Means over a step's episodes (multi-turn rollouts): turns, tool calls and their success rate, seconds in
-    the environment, the fraction of response tokens the loss skips. Empty for single-turn batches."""
+    the environment, the fraction of response tokens the loss skips; seconds in tools and the share correct
+    over the episodes that reported them. Empty for single-turn batches."""
     if C.EPISODE_TURNS not in batch or batch.num_rows == 0:
         return {}
     out = {"turns": float(batch[C.EPISODE_TURNS].float().mean())}
@@ -182,4 +183,10 @@ def episode_figures(batch: Batch) -> dict[str, float]:
         out["env_s"] = float(batch[C.EPISODE_ENV_S].float().mean())
     if C.EPISODE_MASKED_FRAC in batch:
         out["masked_frac"] = float(batch[C.EPISODE_MASKED_FRAC].float().mean())
+    for name, key in ((C.EPISODE_TOOL_S, "tool_s"), (C.EPISODE_CORRECT, "correct")):
+        if name in batch:  # only the episodes that reported it count (NaN: not reported); absent when none did
+            values = batch[name].float()
+            values = values[~values.isnan()]
+            if values.numel():
+                out[key] = float(values.mean())
     return out

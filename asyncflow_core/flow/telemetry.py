@@ -15,10 +15,11 @@ string is replaced before it touches the disk (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import heapq
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,8 @@ class Span:
     name: str
     start: float
     end: float
+    #: what the span was about (an environment call's row and turn, its seconds), shown in the trace
+    args: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 #: lists that :func:`observe_timelines` blocks collect new timelines into
@@ -56,6 +59,10 @@ def observe_timelines() -> Iterator[list[Timeline]]:
         _observers.remove(found)
 
 
+#: environment-call spans kept per slot-lane prefix (``env``); later calls are not drawn (see ``slot_span``)
+MAX_SLOT_SPANS = 20_000
+
+
 class Timeline:
     """Collects spans; ``clock`` is the run's clock (``loop.time``)."""
 
@@ -63,13 +70,15 @@ class Timeline:
         self.clock = clock
         self.spans: list[Span] = []
         self.t0 = clock()
-        self._open: dict[str, int] = defaultdict(int)  # lane -> number of overlapping open spans
+        self._free: dict[str, list[int]] = defaultdict(list)  # prefix -> free slot lanes (a heap)
+        self._slots: dict[str, int] = defaultdict(int)  # prefix -> slot lanes made so far
+        self._slot_spans: dict[str, int] = defaultdict(int)  # prefix -> slot spans recorded (capped)
         for found in _observers:
             found.append(self)
 
-    def add(self, lane: str, name: str, start: float, end: float) -> None:
+    def add(self, lane: str, name: str, start: float, end: float, args: Mapping[str, Any] | None = None) -> None:
         if end > start:
-            self.spans.append(Span(lane, name, start, end))
+            self.spans.append(Span(lane, name, start, end, args))
 
     @contextlib.contextmanager
     def span(self, lane: str, name: str) -> Iterator[None]:
@@ -78,6 +87,31 @@ class Timeline:
             yield
         finally:
             self.add(lane, name, start, self.clock())
+
+    @contextlib.contextmanager
+    def slot_span(self, prefix: str, name: str, args: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+        """A span on the lowest ``<prefix>/<k>`` lane free now: concurrent calls (environment steps of many
+        episodes) each get a lane of their own, so no lane holds overlapping spans and ``<prefix>/0`` is busy
+        whenever at least one call runs. Yields ``args`` (the caller may add to it before the span ends)."""
+        out = {} if args is None else args
+        if self._slot_spans[prefix] >= MAX_SLOT_SPANS:
+            # a long multi-turn run makes millions of environment calls: the trace keeps the first ones, and
+            # each step's utilisation (a scan of every span) stays cheap; the episode_* columns count them all
+            yield out
+            return
+        self._slot_spans[prefix] += 1
+        free = self._free[prefix]
+        if free:
+            k = heapq.heappop(free)
+        else:
+            k = self._slots[prefix]
+            self._slots[prefix] += 1
+        start = self.clock()
+        try:
+            yield out
+        finally:
+            self.add(f"{prefix}/{k}", name, start, self.clock(), out)
+            heapq.heappush(free, k)
 
     def lanes(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -123,10 +157,13 @@ class Timeline:
             events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": lane}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
         for s in self.spans:
-            events.append({
+            event = {
                 "ph": "X", "pid": 1, "tid": tids[s.lane], "name": s.name,
                 "ts": (s.start - self.t0) * 1e6, "dur": (s.end - s.start) * 1e6,
-            })
+            }
+            if s.args:
+                event["args"] = dict(s.args)
+            events.append(event)
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def redacted(self, redactor: Redactor | None = None) -> Timeline:
@@ -138,7 +175,7 @@ class Timeline:
             return self  # the common case: nothing to replace, no copy of a million spans
         out = Timeline(self.clock)
         out.t0 = self.t0
-        out.spans = [Span(clean[s.lane], clean[s.name], s.start, s.end) for s in self.spans]
+        out.spans = [Span(clean[s.lane], clean[s.name], s.start, s.end, s.args) for s in self.spans]
         return out
 
     def write(self, run_dir: Path, *, redactor: Redactor | None = None) -> Path:
@@ -149,8 +186,10 @@ class Timeline:
         path.write_text(json.dumps(clean.chrome_trace()))
         with (run_dir / "spans.jsonl").open("w") as fh:
             for s in clean.spans:
-                fh.write(json.dumps({"lane": s.lane, "name": s.name, "start": s.start - self.t0,
-                                     "end": s.end - self.t0}) + "\n")
+                d = {"lane": s.lane, "name": s.name, "start": s.start - self.t0, "end": s.end - self.t0}
+                if s.args:
+                    d["args"] = dict(s.args)
+                fh.write(json.dumps(d) + "\n")
         return path
 
 
@@ -172,14 +211,14 @@ def load_spans(run_dir: Path) -> list[Span]:
     with path.open() as fh:
         for line in fh:
             d = json.loads(line)
-            out.append(Span(d["lane"], d["name"], float(d["start"]), float(d["end"])))
+            out.append(Span(d["lane"], d["name"], float(d["start"]), float(d["end"]), d.get("args")))
     return out
 
 
 _COLOURS = {
     "generate": "#4C72B0", "score": "#55A868", "train_step": "#C44E52", "logprobs": "#8172B2",
     "send_weights": "#CCB974", "update_weights": "#DD8452", "advantages": "#64B5CD", "admission_wait": "#BBBBBB",
-    "sleep": "#999999",
+    "sleep": "#999999", "reset": "#937860", "step": "#DA8BC3",
 }
 
 

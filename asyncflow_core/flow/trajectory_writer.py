@@ -12,7 +12,8 @@ order; ``loss_mask`` is 1 on sampled tokens; observed tokens get log-prob 0
 and, in ``response_versions``, the version of the last sampled token before
 them (so a row's oldest version is its oldest sampled token's); ``turn_ids``
 number each token's turn; ``turn_rewards`` hold one reward per turn; the
-``episode_*`` columns the per-episode figures; ``reward`` the episode's
+``episode_*`` columns the per-episode figures (``episode_tool_s`` and
+``episode_correct`` NaN when the episode did not report them); ``reward`` the episode's
 reward when the environment (or a captured agent's episode) owns it. An
 episode whose prompt is not the row's stored ``prompt_ids`` (an
 environment's first observation rendered with its tools, an agent's first
@@ -22,6 +23,7 @@ call) also writes ``prompt_ids``: the trained sequence is the one sampled.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -130,7 +132,8 @@ class TrajectoryWriter:
         lens, rlens, rewards, vrange, cut = [], [], [], [], []
         turn_rewards: list[float] = []
         dense: dict[str, list] = {c: [] for c in (C.EPISODE_TURNS, C.EPISODE_TOOL_CALLS, C.EPISODE_TOOL_OK,
-                                                  C.EPISODE_ENV_S, C.EPISODE_MASKED_FRAC)}
+                                                  C.EPISODE_ENV_S, C.EPISODE_MASKED_FRAC, C.EPISODE_TOOL_S,
+                                                  C.EPISODE_CORRECT)}
         sampled_total = 0
         for _, traj in items:
             if traj is None:
@@ -171,6 +174,8 @@ class TrajectoryWriter:
             dense[C.EPISODE_TOOL_CALLS].append(int(info.get("tool_calls", 0)))
             dense[C.EPISODE_TOOL_OK].append(int(info.get("tool_ok", 0)))
             dense[C.EPISODE_ENV_S].append(float(info.get("env_s", 0.0)))
+            dense[C.EPISODE_TOOL_S].append(float(info.get("tool_s", math.nan)))  # NaN: not reported
+            dense[C.EPISODE_CORRECT].append(float(info.get("correct", math.nan)))
             n = len(ids) - n0
             dense[C.EPISODE_MASKED_FRAC].append((n - sum(mask[n0:])) / n if n else 0.0)
         lengths = torch.tensor(lens, dtype=torch.int64)

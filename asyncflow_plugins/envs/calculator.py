@@ -32,6 +32,7 @@ shaping alone can never add up to a solved episode.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 import string
@@ -41,7 +42,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncflow_core.interfaces import Dataset
-from asyncflow_core.interfaces.environment import Action, EnvironmentFeatures, Observation
+from asyncflow_core.interfaces.environment import Action, EnvironmentFeatures, Observation, Step
 from asyncflow_core.types import PromptRecord
 from asyncflow_plugins.envs.tool_env import ToolEnvironment, record_field, record_prompt
 from asyncflow_plugins.envs.tools import CallFormat, ParsedTurn, Tool, ToolCall, ToolResult, parse_hermes, tool
@@ -238,6 +239,14 @@ class CalculatorEnvironment(ToolEnvironment):
             return 0.0, {"correct": 0.0, "reason": "no integer in the answer"}
         correct = int(found[-1]) == self.expected
         return float(correct), {"correct": float(correct)}
+
+    async def step(self, action: Action) -> Step:
+        """The tool environment's step; a turn of tool calls reports ``correct: 0`` (not answered yet), so an
+        episode cut at ``max_turns`` while still calculating counts as not correct (``episode/correct``)."""
+        step = await super().step(action)
+        if "correct" in step.info:
+            return step
+        return dataclasses.replace(step, info={**step.info, "correct": 0.0})
 
     def call_reward(self, call: ToolCall, result: ToolResult) -> float:
         if not result.ok or self.config.call_reward == 0 or self.rewarded_calls >= self.operations:

@@ -22,8 +22,12 @@ the policy guesses; the environment answers where the secret lies:
 Reward (the environment owns it): a correct guess at turn ``t`` (0-based)
 earns ``discount ** t`` (1 by default), every other turn 0; an episode cut
 at ``environment.max_turns`` earns 0. Each turn's info reports it as one call
-of the game (``tool_calls: 1``, ``tool_ok``: the guess was well-formed), so
-the run's tool-call success rate is the rate of well-formed guesses.
+of the game (``tool_calls: 1``, ``tool_ok``: the guess was well-formed,
+``tool_seconds``: how long the answer took), so the run's tool-call success
+rate is the rate of well-formed guesses, and ``correct`` (1 for the right
+guess, else 0), so an episode's last step says whether it was solved
+(``episode/correct``). ``step_delay_s: [lo, hi]`` makes every step wait a
+uniform lo..hi seconds first, like a slow tool (benchmarks/agent_tools.py).
 
 Why it needs the turns: the prompt says nothing about the secret, so one
 guess (the single-turn baseline: the same dataset scored by the
@@ -34,9 +38,13 @@ search finds any of 10 values within 4 turns.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hashlib
+import random
 import re
 import string
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -84,6 +92,18 @@ class GuessEnvConfig(BaseModel):
     discount: float = Field(1.0, gt=0.0, le=1.0, description="A correct guess at turn t (0-based) earns "
                             "discount**t; 1: any correct guess earns 1.")
     answer_key: str = Field("answer", description="Row field (or metadata key) holding the secret integer.")
+    step_delay_s: tuple[float, float] = Field((0.0, 0.0), description="[lo, hi]: each step first sleeps (awaits) "
+                                              "a duration drawn uniformly from lo..hi seconds, like a slow tool "
+                                              "(benchmarks/agent_tools.py); reported as the step's tool_seconds. "
+                                              "[0, 0]: no delay.")
+
+    @field_validator("step_delay_s")
+    @classmethod
+    def _delay(cls, value: tuple[float, float]) -> tuple[float, float]:
+        lo, hi = value
+        if not 0.0 <= lo <= hi:
+            raise ValueError(f"needs 0 <= lo <= hi, got [{lo}, {hi}]")
+        return value
 
     @field_validator("end", "lower", "higher", "error_text")
     @classmethod
@@ -108,6 +128,7 @@ class GuessEnvironment(Environment):
         self._features = EnvironmentFeatures(owns_reward=True, deterministic=True, blocking=False)
         self.secret: int | None = None
         self.guesses: list[int] = []
+        self._delays = random.Random()
 
     @property
     def features(self) -> EnvironmentFeatures:
@@ -123,6 +144,7 @@ class GuessEnvironment(Environment):
             raise ValueError(f"the secret {self.config.answer_key!r} must be an integer, got {raw[:20]!r}")
         self.secret = int(raw)
         self.guesses = []
+        self._delays.seed(seed)  # the delays of an episode are a function of its seed (they never change answers)
         text, messages = record_prompt(record)
         if self.config.format is CallFormat.COMPACT:
             return Observation(text=text)
@@ -161,12 +183,20 @@ class GuessEnvironment(Environment):
     async def step(self, action: Action) -> Step:
         if self.secret is None:
             raise RuntimeError("step before reset")
+        start = time.perf_counter()
+        lo, hi = self.config.step_delay_s
+        if hi > 0:
+            await asyncio.sleep(self._delays.uniform(lo, hi))
+        step = self._answer(action)  # the game's answer, as one tool call: its seconds are the tool's
+        return dataclasses.replace(step, info={**step.info, "tool_seconds": time.perf_counter() - start})
+
+    def _answer(self, action: Action) -> Step:
         cfg = self.config
         guess, reason = self._read(action)
         if guess is None:
             shown = cfg.error_text if cfg.format is CallFormat.COMPACT else f"error: {reason}"
             return Step(self._say(shown), reward=0.0, done=False,
-                        info={"tool_calls": 1, "tool_ok": False, "reason": reason})
+                        info={"tool_calls": 1, "tool_ok": False, "correct": 0.0, "reason": reason})
         self.guesses.append(guess)
         if guess == self.secret:
             return Step(None, reward=cfg.discount ** action.turn, done=True,
@@ -175,7 +205,7 @@ class GuessEnvironment(Environment):
             shown = cfg.lower if self.secret < guess else cfg.higher
         else:
             shown = "lower" if self.secret < guess else "higher"
-        return Step(self._say(shown), reward=0.0, done=False, info={"tool_calls": 1, "tool_ok": True})
+        return Step(self._say(shown), reward=0.0, done=False, info={"tool_calls": 1, "tool_ok": True, "correct": 0.0})
 
     def _say(self, text: str) -> Observation:
         if self.config.format is CallFormat.COMPACT:
