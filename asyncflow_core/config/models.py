@@ -357,7 +357,11 @@ class EnvironmentConfig(Component):
         "is cut there, with the reason (max_episode_tokens) recorded. Default: no limit of its own (the model's "
         "context still bounds each turn's request).",
     )
-    workers: int = Field(64, ge=1, description="Episodes whose environments are open at once (per rollout process).")
+    workers: int | None = Field(
+        None, ge=1,
+        description="Episodes whose environments are open at once (per rollout process). Default: "
+        "rollout.replicas x rollout.max_inflight, so every decode slot can have an episode while others wait on "
+        "their tools (fewer starves decoding when tools are slow: docs/performance.md, slow tools).")
     processes: int | None = Field(
         None, ge=0,
         description="0: environments run in the event loop; N: in a pool of N worker processes, so a blocking tool "

@@ -206,7 +206,7 @@ class EnvironmentPool:
     def from_config(cls, config: Any) -> EnvironmentPool:
         """A pool from a run config's ``environment`` section (:class:`~asyncflow_core.config.EnvironmentConfig`)."""
         return cls.from_plugin(config.name, config.options, step_timeout_s=config.step_timeout_s,
-                               workers=config.workers, processes=config.processes)
+                               workers=config.workers or 64, processes=config.processes)
 
     @property
     def in_flight(self) -> int:

@@ -63,6 +63,8 @@ def build_episodes(resolved: Any, tokenizer: Any, plugin_manager: Any = None, *,
         # (environment.processes, or a ``blocking`` environment), every failure one EnvironmentFailure line
         from asyncflow_core.flow.env_pool import EnvironmentPool
 
+        if section.workers is None and cfg is not None:  # every decode slot may hold an episode
+            section = section.model_copy(update={"workers": cfg.rollout.replicas * cfg.rollout.max_inflight})
         open_env = _PoolOpener(EnvironmentPool.from_config(section))
 
     features = record.declared_features

@@ -20,7 +20,7 @@ def test_defaults_and_resolution():
     cfg = load_config(data={**BASE, "environment": {"name": "calculator", "options": {"call_reward": 0.1}}})
     env = cfg.environment
     assert (env.max_turns, env.step_timeout_s, env.workers, env.processes, env.max_episode_tokens) == (
-        4, 30.0, 64, None, None)
+        4, 30.0, None, None, None)  # workers None: replicas x max_inflight (flow/episode_builder.py)
     resolved = resolve(cfg)
     assert resolved.components["environment"].options.call_reward == 0.1
     assert resolved.dump()["environment"]["options"]["max_ops_per_call"] == 1
@@ -42,3 +42,16 @@ def test_bad_sections_are_one_line_errors(section, message):
 def test_generic_fields_are_checked():
     with pytest.raises(ConfigError, match="environment.workers"):
         load_config(data={**BASE, "environment": {"name": "calculator", "workers": 0}})
+
+
+def test_the_pool_opens_one_environment_per_decode_slot_by_default():
+    """Unset environment.workers: replicas x max_inflight, so slow tools never leave decode slots without episodes."""
+    from asyncflow_core.config import load_config as load
+    from asyncflow_core.flow.episode import build_episodes
+    from asyncflow_core.flow.tokenizer import make_tokenizer
+
+    cfg = load("examples/agent_guess.yaml", overrides=["rollout.replicas=2", "rollout.max_inflight=48"])
+    episodes = build_episodes(resolve(cfg), make_tokenizer(cfg.model))
+    assert episodes.settings.open_env.pool.workers == 96
+    cfg = load("examples/agent_guess.yaml", overrides=["environment.workers=5"])
+    assert build_episodes(resolve(cfg), make_tokenizer(cfg.model)).settings.open_env.pool.workers == 5
