@@ -331,6 +331,9 @@ _ALLOWED = {
         2, "a rank (fsdp, megatron) reads commands (and the pickled algorithm) from the anonymous pipe to the driver "
            "that started it with the core's rank group (as a Ray rank actor: from the in-process pipe its actor "
            "feeds with the owning trainer actor's calls)"),
+    ("asyncflow_core/flow/env_workers.py", "Connection.recv"): (
+        2, "the environment pool and the worker processes it spawned (multiprocessing spawn context) talk over the "
+           "anonymous Pipe created before the spawn: same user, no socket, no address anyone else can open"),
     ("asyncflow_core/launchers/ray/actors.py", "pickle.loads"): (
         1, "a round trip of bytes the actor itself just produced with pickle.dumps (does this exception survive "
            "Ray's own serialisation?); nothing received is decoded"),

@@ -212,13 +212,16 @@ class EvalRequests:
     def inflight_on(self, replica: int) -> int:
         return sum(r.inflight_on(replica) for r in self.rounds)
 
-    def take(self, replica: int, replica_version: int, free: int) -> list[GenerationRequest]:
+    def take(self, replica: int, replica_version: int, free: int, *, urgent: bool = False) -> list[GenerationRequest]:
         """Eval requests for ``replica`` (weights at ``replica_version``, ``free`` slots), within its eval quota.
 
         Only a round pinned at ``replica_version`` gives work, or an unpinned
         round asking for a version at or before it, which this call pins.
+        ``urgent``: a newer version waits for this replica (its hold is
+        delaying training), so the round may take every free slot and end
+        sooner instead of its ``priority`` share.
         """
-        room = min(free, self.quota - self.inflight_on(replica))
+        room = free if urgent else min(free, self.quota - self.inflight_on(replica))
         out: list[GenerationRequest] = []
         for rnd in self.rounds:
             if room <= 0:

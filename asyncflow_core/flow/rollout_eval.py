@@ -54,7 +54,9 @@ class EvalDispatch:
             free = self.max_inflight - len(r.inflight)  # type: ignore[attr-defined]
             if free <= 0:
                 continue
-            reqs = queue.take(r.index, r.engine.version, free)
+            # a replica held at its version for this round delays the next weights: let the round use every slot
+            urgent = self.ctx.published > r.engine.version  # type: ignore[attr-defined]
+            reqs = queue.take(r.index, r.engine.version, free, urgent=urgent)
             if not reqs:
                 continue
             for q in reqs:

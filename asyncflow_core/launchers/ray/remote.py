@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from asyncflow_core.errors import EngineError, WeightTransferError
+from asyncflow_core.errors import EngineError, UnsupportedFeatureError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, TrainEngine
 from asyncflow_core.interfaces.features import RewardFeatures
 from asyncflow_core.launchers.ray.handles import WeightHandle
@@ -115,7 +115,7 @@ class RemoteRolloutEngine(RolloutEngine):
     @property
     def features(self):  # type: ignore[override]
         # the actor's engine's features, and restart(): this proxy replaces a dead actor with a fresh one
-        return self._desc.get()["features"].model_copy(update={"supports_restart": True})
+        return self._desc.get()["features"].model_copy(update={"supports_restart": self.max_restarts > 0})
 
     @property
     def version(self) -> int:
@@ -152,6 +152,8 @@ class RemoteRolloutEngine(RolloutEngine):
 
     async def restart(self) -> None:
         """Replace the actor (dead or not) with a fresh, started one; :class:`EngineError` when out of restarts."""
+        if self.max_restarts == 0:
+            raise UnsupportedFeatureError(f"{self.watched.role}: restarts are off (launcher.options.max_restarts=0)")
         await self._replace()
         await self.start()
 
