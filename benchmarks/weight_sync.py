@@ -70,6 +70,17 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def _median_row(label: str, measured: list[dict[str, float]], nbytes: int) -> dict[str, Any]:
+    """One table row: the median of each phase over the repeats, and the GB/s of the median total."""
+    row: dict[str, Any] = {"transport": label}
+    for key in ("export_s", "digest_s", "transfer_s", "load_s", "total_s"):
+        row[key] = statistics.median(r[key] for r in measured)
+    row["seconds"] = row["total_s"]
+    row["gb_per_s"] = nbytes / row["total_s"] / 1e9
+    row["all_total_s"] = [r["total_s"] for r in measured]
+    return row
+
+
 def build_model(size: str, *, seed: int | None) -> torch.nn.Module:
     """A Qwen2 causal LM of ``size`` on CPU; random weights when ``seed`` is given, zeros (pages touched) otherwise."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -285,13 +296,7 @@ def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int) ->
     rows = [{"transport": "memcpy", "seconds": memcpy, "gb_per_s": nbytes / memcpy / 1e9}]
     for kind in transports:
         measured = asyncio.run(_measure(kind, size, repeats, bucket_mb, trainer, clock))
-        row: dict[str, Any] = {"transport": kind}
-        for key in ("export_s", "digest_s", "transfer_s", "load_s", "total_s"):
-            row[key] = statistics.median(r[key] for r in measured)
-        row["seconds"] = row["total_s"]
-        row["gb_per_s"] = nbytes / row["total_s"] / 1e9
-        row["all_total_s"] = [r["total_s"] for r in measured]
-        rows.append(row)
+        rows.append(_median_row(kind, measured, nbytes))
     return {
         "benchmark": "weight_sync",
         "size": size,
@@ -358,13 +363,7 @@ def run_lora_bench(size: str, rank: int, modes: list[str], repeats: int, bucket_
 
     for mode in modes:
         measured = asyncio.run(measure(mode))
-        row: dict[str, Any] = {"transport": f"inprocess/{mode}"}
-        for key in ("export_s", "digest_s", "transfer_s", "load_s", "total_s"):
-            row[key] = statistics.median(r[key] for r in measured)
-        row["seconds"] = row["total_s"]
-        row["gb_per_s"] = nbytes / row["total_s"] / 1e9
-        row["all_total_s"] = [r["total_s"] for r in measured]
-        rows.append(row)
+        rows.append(_median_row(f"inprocess/{mode}", measured, nbytes))
     return {
         "benchmark": "weight_sync_lora",
         "size": size,

@@ -345,8 +345,8 @@ class CaptureSession:
 
     # -- a call
 
-    async def chat(self, call: ChatCall) -> dict[str, Any]:
-        """Serve one chat call: sample after the recorded tokens, record, and answer in OpenAI's shape."""
+    async def _serve(self, call: ChatCall | TextCall, serve: Any) -> dict[str, Any]:
+        """One call at a time per session: refuse a closed session, count the call, record its error."""
         async with self._lock:
             if self.closed:
                 raise CaptureError(410, f"session {self.id!r} is closed (its episode was already collected)",
@@ -355,10 +355,14 @@ class CaptureSession:
             self._overridden += call.overridden
             self._clamped += call.clamped
             try:
-                return await self._chat(call)
+                return await serve(call)
             except CaptureError as exc:
                 self._errors.append(exc.message)
                 raise
+
+    async def chat(self, call: ChatCall) -> dict[str, Any]:
+        """Serve one chat call: sample after the recorded tokens, record, and answer in OpenAI's shape."""
+        return await self._serve(call, self._chat)
 
     async def _chat(self, call: ChatCall) -> dict[str, Any]:
         branch, observed, observed_turn = self._plan(call)
@@ -388,18 +392,7 @@ class CaptureSession:
 
     async def complete(self, call: TextCall) -> dict[str, Any]:
         """Serve one ``/completions`` call (a raw prompt, no chat template) the same way."""
-        async with self._lock:
-            if self.closed:
-                raise CaptureError(410, f"session {self.id!r} is closed (its episode was already collected)",
-                                   code="session_closed")
-            self._calls += 1
-            self._overridden += call.overridden
-            self._clamped += call.clamped
-            try:
-                return await self._complete(call)
-            except CaptureError as exc:
-                self._errors.append(exc.message)
-                raise
+        return await self._serve(call, self._complete)
 
     def _plan_text(self, call: TextCall) -> tuple[_Branch, list[int], int | None]:
         """Token prompts match any branch's tokens at a reply; text prompts match a text branch's text."""
