@@ -139,9 +139,18 @@ def test_a_replica_killed_during_a_broadcast_costs_no_deadline_and_catches_up_af
             proxy = next(p for p in launchers[0].roles.proxies if isinstance(p, R.RemoteRolloutEngine)
                          and p.watched.role == "rollout/1")
             killed.append(proxy.pid)
-            ray.kill(proxy.actor, no_restart=True)
-            with pytest.raises(ray.exceptions.RayActorError):
-                await proxy.actor.health.remote()
+            actor = proxy.actor
+            ray.kill(actor, no_restart=True)
+            # ray.kill goes through the GCS while a call goes straight to the actor: a call made at once may still
+            # be served, so wait for the death to show before the send goes out
+            for _ in range(200):
+                try:
+                    await actor.health.remote()
+                except ray.exceptions.RayActorError:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the killed rollout actor still answered 10 s after ray.kill")
         t0 = time.monotonic()
         try:
             out = await call(self, method, *args, timeout=timeout)
@@ -167,10 +176,13 @@ def test_a_replica_killed_during_a_broadcast_costs_no_deadline_and_catches_up_af
     summary, launcher = run_with("dist", tmp_path, during=during, deadline_s=DEADLINE_S)
     assert killed, "the run ended before the kill"
     counters = summary["counters"]
-    # the broadcast with a dead rank was abandoned within seconds, not at its deadline, and sent again
+    # the broadcast with a dead rank ended within seconds, not at its deadline, and was sent again. Which side saw
+    # the death first is a race: the driver's liveness poll (it abandons the send) or the transport itself (gloo
+    # fails the source rank's send with "connection reset"); either way exactly one send ended early
     assert [ok for _, ok in sends[:3]] == [True, False, True], sends
     assert sends[1][0] < DEADLINE_S / 3, sends
-    assert counters["weight_sends_abandoned"] == 1 and counters["weight_group_retries"] == 1
+    assert counters.get("weight_sends_abandoned", 0) + counters.get("weight_sends_failed", 0) == 1, counters
+    assert counters["weight_group_retries"] == 1, counters
     assert summary["steps"] == STEPS and counters["rollout_actor_restarts"] >= 1 and counters["replicas_restarted"] >= 1
     ledger = summary["ledger"]
     assert ledger["admitted"] == ledger["trained"] == STEPS * 4 and ledger["dropped"] == ledger["unfinished"] == 0

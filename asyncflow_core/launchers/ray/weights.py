@@ -137,7 +137,14 @@ class RayWeights:
                 reason = watch.result()
                 self.counters["weight_sends_abandoned"] += 1
                 await _quiet(trainer.call("abandon_weight_send", reason, timeout=30.0))
-            return await send
+                return await send
+            try:
+                return send.result()
+            except WeightTransferError:
+                # the transport saw the dead rank first (gloo: "connection reset") and failed the send itself,
+                # before the liveness poll found it: the same fast failure, counted apart
+                self.counters["weight_sends_failed"] += 1
+                raise
         finally:
             watch.cancel()
 
