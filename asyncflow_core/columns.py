@@ -22,6 +22,17 @@ OLD_LOGPROBS = "old_logprobs"  #: ragged float32: log-probs under the trainer's 
 REF_LOGPROBS = "ref_logprobs"  #: ragged float32: log-probs under the frozen reference policy
 VALUES = "values"  #: ragged float32: value-head estimates per response token
 REWARD = "reward"  #: dense float32 [n]: scalar reward per sample
+#: dense float32 [n] per declared key: an extra value the reward returned beside ``reward`` (``correct``,
+#: ``answer_found``, a combined reward's terms), NaN where a sample lacks it; a reward declares its keys in
+#: ``RewardFeatures.extras`` and the reward stage writes one column per key (:func:`reward_extra`)
+REWARD_EXTRA_PREFIX = "reward_extra/"
+
+
+def reward_extra(key: str) -> str:
+    """The store column of the reward's extra value ``key``."""
+    return REWARD_EXTRA_PREFIX + key
+
+
 ADVANTAGES = "advantages"  #: ragged float32: advantage per response token
 RETURNS = "returns"  #: ragged float32: value targets per response token (PPO)
 GROUP_ID = "group_id"  #: dense int64 [n]: prompt group a sample belongs to

@@ -237,6 +237,8 @@ class ArithmeticReward(Reward):
     answer in its metadata raises ``KeyError`` (the runtime records it failed).
     """
 
+    extras = ("correct", "formatted")
+
     def __init__(self, config: ArithmeticRewardConfig) -> None:
         self.config = config
 

@@ -249,6 +249,8 @@ class MathVerify(Reward):
     reference in its metadata raises ``KeyError`` (the runtime records it failed).
     """
 
+    extras = ("answer_found",)
+
     def __init__(self, config: MathVerifyConfig) -> None:
         self.config = config
 

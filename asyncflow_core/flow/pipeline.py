@@ -191,6 +191,9 @@ class PipelinePlan:
                               "(AlgorithmFeatures.honours_loss_mask), so these episodes would train on observation "
                               "and tool tokens; use grpo, rloo, reinforce_pp or ppo, or declare it once the loss "
                               "honours loss_mask (the spec's AlgorithmSpec checks it)")
+        # the reward's declared extra values (correct, answer_found): each step's record averages them
+        if reward_stage is not None:
+            inputs += [c for c in reward_stage.produces if c.startswith(C.REWARD_EXTRA_PREFIX) and c not in inputs]
         # episodes: the trainer gets the loss mask, and each step's record the per-episode figures (dense, small)
         inputs += [c for c in rollout.produces if c in _EPISODE_TO_TRAINER and c not in inputs]
         # a lease takes every whole group that is ready, up to one step's worth (partial: it never waits for

@@ -1,9 +1,18 @@
-"""The reward stage: scores each completion with the reward plugin; a sample whose reward fails is failed."""
+"""The reward stage: scores each completion with the reward plugin; a sample whose reward fails is failed.
+
+The extra values a reward returns beside ``reward`` (``correct``,
+``answer_found``) are declared store columns: one dense float32 column
+``reward_extra/<key>`` per key of ``RewardFeatures.extras``, NaN for a
+sample that lacks the key. The trainer receives them with its batch, and each
+step's record averages them (:func:`reward_extras`). A key the reward returns
+without declaring it is reported once, with the fix, and not recorded.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import numbers
 from collections import Counter
@@ -20,6 +29,8 @@ from asyncflow_core.interfaces.features import reward_features
 from asyncflow_core.types import Batch, RaggedTensor, RewardInput
 
 __all__ = ["RewardStage", "reward_extras"]
+
+log = logging.getLogger(__name__)
 
 
 class RewardStage(Stage):
@@ -39,10 +50,10 @@ class RewardStage(Stage):
         self.batch_size = batch_size
         self.features = reward_features(reward)
         self.needs_text = self.features.needs_text
-        self.extra: Counter[str] = Counter()
         self.reward_name = reward_name  #: the plugin's registered name, for error messages
-        #: row id -> the extra values the reward returned beside ``reward`` (read once per step, then dropped)
-        self.row_extras: dict[int, dict[str, float]] = {}
+        self.extra_keys = self.features.extras  #: the extra values it declares, one column each
+        self.produces = (C.REWARD, *(C.reward_extra(k) for k in self.extra_keys))
+        self.undeclared: Counter[str] = Counter()  #: extra keys returned but not declared: samples that had each
 
     async def process(self, batch: Batch) -> StageOutput:
         ctx = self.ctx
@@ -51,6 +62,8 @@ class RewardStage(Stage):
         gids = batch[C.GROUP_ID].tolist()
         rows = batch.row_ids.tolist() if batch.row_ids is not None else list(range(batch.num_rows))
         out = torch.zeros(batch.num_rows, dtype=torch.float32)
+        slot = {k: j for j, k in enumerate(self.extra_keys)}
+        extras = torch.full((len(slot), batch.num_rows), float("nan"), dtype=torch.float32)
         samples = []
         for i in range(batch.num_rows):
             info = ctx.ledger.groups.get(int(gids[i]))
@@ -78,18 +91,26 @@ class RewardStage(Stage):
                                          f"(keys: {sorted(map(str, value))}); return {{'reward': <number>, ...}}")
                     extra = {str(key): self._number(v, f"extra value {key!r}") for key, v in value.items()
                              if key != "reward"}
-                    self.extra.update(extra)
-                    if extra:
-                        if len(self.row_extras) >= 1 << 18:  # rows dropped before training never collect theirs
-                            for old in sorted(self.row_extras)[: 1 << 17]:
-                                del self.row_extras[old]
-                        self.row_extras[int(rows[i])] = extra
-                    value = value["reward"]
-                out[i] = self._number(value, "value")
+                    out[i] = self._number(value["reward"], "value")
+                    for key, v in extra.items():
+                        j = slot.get(key)
+                        if j is not None:
+                            extras[j, i] = v
+                        else:
+                            self._undeclared(key)
+                else:
+                    out[i] = self._number(value, "value")
             except Exception as exc:  # noqa: BLE001 - one sample's failure is recorded, the run goes on
                 why = str(exc) if isinstance(exc, _Failed) else f"{type(exc).__name__}: {exc}"
                 ctx.fail_rows(self.name, [rows[i]], why)
-        return StageOutput({C.REWARD: out})
+        return StageOutput({C.REWARD: out, **{C.reward_extra(k): extras[j] for k, j in slot.items()}})
+
+    def _undeclared(self, key: str) -> None:
+        if not self.undeclared[key]:
+            log.warning("reward %s returned the extra value %r without declaring it, so it is not recorded; declare "
+                        "it (RewardFeatures(extras=(%r, ...)) in its features, or a class attribute extras) to get a "
+                        "%s column and a reward/%s metric", self._label(), key, key, C.reward_extra(key), key)
+        self.undeclared[key] += 1
 
     async def _score_one(self, sample: RewardInput) -> tuple[bool, Any]:
         """``(True, value)``, or ``(False, why)`` when the reward raised or timed out."""
@@ -124,16 +145,13 @@ class _Failed(Exception):
 
 
 
-def reward_extras(stage: Stage | None, batch: Batch) -> dict[str, float]:
-    """Means over ``batch``'s rows of the extra values a reward returned (e.g. ``correct`` beside a shaped reward);
-    each row's values are handed out once."""
-    extras = getattr(stage, "row_extras", None)
-    if not extras or batch.row_ids is None:
-        return {}
-    sums: Counter[str] = Counter()
-    counts: Counter[str] = Counter()
-    for row in batch.row_ids.tolist():
-        for key, v in extras.pop(int(row), {}).items():
-            sums[key] += v
-            counts[key] += 1
-    return {key: sums[key] / counts[key] for key in sorted(sums)}
+def reward_extras(batch: Batch) -> dict[str, float]:
+    """Per declared extra value (``correct``), its mean over ``batch``'s rows that have it (NaN rows skipped)."""
+    out: dict[str, float] = {}
+    for col in sorted(batch.columns):
+        if col.startswith(C.REWARD_EXTRA_PREFIX):
+            values = batch[col].float()  # type: ignore[union-attr]
+            seen = values[~torch.isnan(values)]
+            if seen.numel():
+                out[col[len(C.REWARD_EXTRA_PREFIX):]] = float(seen.mean())
+    return out

@@ -12,7 +12,7 @@ from asyncflow_core.config.redact import default_redactor, redact_config
 from asyncflow_core.errors import ConfigError
 from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.reward_stage import reward_extras
-from asyncflow_core.flow.stage import FlowContext, Stage
+from asyncflow_core.flow.stage import FlowContext
 from asyncflow_core.flow.telemetry import MetricsWriter, Timeline, gantt_png, reward_png
 from asyncflow_core.types import Batch
 
@@ -35,9 +35,8 @@ class StepLogger:
     """Per-step metrics (JSONL) and the live progress display."""
 
     def __init__(self, ctx: FlowContext, writer: MetricsWriter, progress: bool, total: int,
-                 sinks: list[Any] | None = None, reward_stage: Stage | None = None) -> None:
+                 sinks: list[Any] | None = None) -> None:
         self.ctx = ctx
-        self.reward_stage = reward_stage  #: the stage whose per-row reward extras each step's record averages
         self.sinks = sinks or []
         self.writer = writer
         self.tokens = 0
@@ -74,7 +73,7 @@ class StepLogger:
         delta = {k: int(v - self._last_counters.get(k, 0)) for k, v in counters.items() if v != self._last_counters.get(k, 0)}
         self._last_counters = counters
         hist = Counter(lag.tolist())
-        extra = reward_extras(self.reward_stage, batch)
+        extra = reward_extras(batch)
         episodes = episode_figures(batch)
         util = ctx.timeline.utilisation(self._last_end, now)
         record = {

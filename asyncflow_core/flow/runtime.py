@@ -292,7 +292,7 @@ class FlowRuntime:
                           rollout_options={"episodes": episodes})
         stages, rollout, train = pipe.stages, pipe.rollout, pipe.train
         step_log = StepLogger(ctx, metrics, self.progress, cfg.trainer.total_steps,
-                              sinks=scalar_sinks(cfg, self.run_dir), reward_stage=pipe.reward_stage)
+                              sinks=scalar_sinks(cfg, self.run_dir))
         # VersionPublished subscribers after the context's wake-up (weight sync), in this order (flow/events.py)
         canary = train.canary
         if canary is not None:

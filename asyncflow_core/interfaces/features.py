@@ -8,7 +8,7 @@ tests the feature when the flag is on and that documented error when it is off.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class Features(BaseModel):
@@ -82,6 +82,21 @@ class RewardFeatures(Features):
         False, description="score_many(samples, timeout_s) scores a batch in one call, (True, value) or (False, why) "
         "per sample; off: the reward stage calls score() once per sample."
     )
+    extras: tuple[str, ...] = Field(
+        (), description="Keys the reward returns beside 'reward' in its mapping (e.g. 'correct'): each becomes a "
+        "per-row float32 store column `reward_extra/<key>` (NaN where a sample lacks it) that the trainer receives and "
+        "each step's record averages as `reward/<key>`. Undeclared keys are reported once and not recorded."
+    )
+
+    @field_validator("extras")
+    @classmethod
+    def _extra_keys(cls, keys: tuple[str, ...]) -> tuple[str, ...]:
+        for key in keys:
+            if not isinstance(key, str) or not key or key == "reward" or "/" in key:
+                raise ValueError(f"extras: {key!r} is not a usable key; name each extra value (not 'reward', no '/')")
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"extras: {list(keys)} names a key twice")
+        return keys
 
 
 class AlgorithmFeatures(Features):
@@ -101,9 +116,10 @@ class AlgorithmFeatures(Features):
 def reward_features(reward: object) -> RewardFeatures:
     """The reward's :class:`RewardFeatures`: its ``features`` when it declares them, else read from what it defines.
 
-    A reward without a ``features`` property declares ``needs_text`` as a
-    class attribute (default True) and batch scoring by defining a callable
-    ``score_many``; this is the one place those declarations are read.
+    A reward without a ``features`` property declares ``needs_text`` and
+    ``extras`` as class attributes (defaults True and ``()``) and batch
+    scoring by defining a callable ``score_many``; this is the one place
+    those declarations are read.
     """
     declared = getattr(reward, "features", None)
     if isinstance(declared, RewardFeatures):
@@ -112,7 +128,12 @@ def reward_features(reward: object) -> RewardFeatures:
         many = callable(getattr(reward, "score_many", None))
     except AttributeError:  # a property that refuses (the reward scores one at a time in this configuration)
         many = False
-    return RewardFeatures(needs_text=bool(getattr(reward, "needs_text", True)), supports_score_many=many)
+    try:
+        return RewardFeatures(needs_text=bool(getattr(reward, "needs_text", True)), supports_score_many=many,
+                              extras=tuple(getattr(reward, "extras", ())))
+    except ValidationError as exc:
+        why = "; ".join(e["msg"] for e in exc.errors())
+        raise ValueError(f"{type(reward).__name__}.extras: {why}") from None
 
 
 def algorithm_features(algorithm: object) -> AlgorithmFeatures:
