@@ -506,3 +506,19 @@ class TestPPO(_WithValues, AlgorithmSpec):
 class TestPPOPolicyOnlyDecoupled(_WithValues, AlgorithmSpec):
     backend = "ppo"
     options = {"value_coef": 0.0, "correction": "decoupled", "kl_in_reward_coef": 0.1, "whiten_advantages": False}
+
+
+def test_the_suite_fails_an_algorithm_that_reads_other_groups_but_declares_group_scope():
+    """A GRPO that normalises over the batch (``scale_rewards: batch``) yet claims ``advantage_scope`` ``group``
+    would give a group different advantages depending on which groups finished with it: the spec must say so."""
+    honest = make("grpo", scale_rewards="batch")
+    assert honest.advantage_scope == "step"
+
+    class ClaimsGroup(type(honest)):
+        @property
+        def advantage_scope(self):
+            return "group"
+
+    lying = ClaimsGroup(honest.config)
+    with pytest.raises(AssertionError, match="declares advantage_scope 'group'"):
+        AlgorithmSpec().test_group_scoped_advantages_depend_on_their_group_alone(lambda: lying)

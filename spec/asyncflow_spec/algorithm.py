@@ -9,6 +9,7 @@ import torch
 
 from asyncflow_core import columns as C
 from asyncflow_core.interfaces import Algorithm, LossContext, OffPolicyCorrection
+from asyncflow_core.interfaces.features import algorithm_features
 from asyncflow_core.plugins import PluginKind
 from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_spec.base import BackendSpec
@@ -100,6 +101,33 @@ class AlgorithmSpec(BackendSpec):
         n_terms = batch[C.RESPONSE_IDS].numel_packed + batch.num_rows
         tol = 4 * n_terms * torch.finfo(whole.dtype).eps * max(magnitude, abs(float(whole)), 1e-3)
         assert abs(float(whole) - float(parts)) <= tol, (float(whole), float(parts), tol)
+
+    def test_group_scoped_advantages_depend_on_their_group_alone(self, make_backend):
+        """``advantage_scope`` ``group``: a group's advantages are the same whether the group comes alone or with
+        others. The advantage stage hands such an algorithm whichever whole groups are ready, so an estimator
+        that reads other groups (a batch-wide std, say) must declare ``step``, or its advantages would depend
+        on which groups happened to finish together."""
+        algo: Algorithm = make_backend()
+        scope = algorithm_features(algo).advantage_scope
+        if scope != "group":
+            pytest.skip(f"advantage_scope is {scope!r}: the train stage calls compute_advantages on the whole step")
+        batch = sample_batch(rows=9, group=3)
+        together = algo.compute_advantages(batch)[C.ADVANTAGES]
+        gids = batch[C.GROUP_ID]
+        for g in gids.unique().tolist():
+            idx = (gids == g).nonzero().squeeze(1)
+            alone = algo.compute_advantages(batch.select(idx))[C.ADVANTAGES]
+            mine = together.values[torch.cat([torch.arange(int(together.offsets[i]), int(together.offsets[i + 1]))
+                                              for i in idx.tolist()])]
+            # the same arithmetic over the same rows, summed in another order at most: a few roundings of the
+            # advantages' size; reading another group moves them by a whole share of that group's rewards
+            scale = max(float(alone.values.abs().max()), 1.0)
+            tol = 8 * torch.finfo(torch.float32).eps * scale
+            diff = float((alone.values - mine).abs().max()) if mine.numel() else 0.0
+            assert diff <= tol, (
+                f"group {g}'s advantages change by {diff:.3g} when other groups are in the batch, yet "
+                f"{type(algo).__name__} declares advantage_scope 'group'; declare 'step' (AlgorithmFeatures) if it "
+                "normalises over more than one group")
 
     def test_loss_is_differentiable(self, make_backend):
         """The loss back-propagates into the log-probs it was given."""
