@@ -245,3 +245,19 @@ def test_finish_rounds_runs_the_last_round_after_training_and_closes_stale_ones(
 
     asyncio.run(finish_rounds(q, [engine], max_inflight=2, load_latest=load_latest))
     assert done == [old, last] and len(old.failed) == 1 and len(last.results) == 4 and not q.outstanding
+
+
+def test_finish_rounds_requeues_requests_cut_off_in_flight_when_training_ended():
+    """The last round had requests in flight on a replica when the rollout stage stopped (and cancelled the tasks
+    that drove them): after training they are sampled again, so the round finishes with every sample, instead of
+    failing the run's final evaluation with "found no engine with those weights"."""
+    from asyncflow_core.flow.eval import finish_rounds
+
+    done = []
+    q = EvalRequests(SamplingParams(), max_inflight=4, priority=1.0, on_complete=done.append)
+    last = q.add(make_round(2, [_set("s", ["0", "1"])], samples_per_prompt=2))
+    cut = q.take(0, 2, free=3)  # three of the four in flight at version 2; the stage then stopped
+    assert len(cut) == 3 and len(last.pending) == 1
+    engine = FakeEngine(2)
+    asyncio.run(finish_rounds(q, [engine], max_inflight=4))
+    assert done == [last] and len(last.results) == 4 and not last.failed and not q.outstanding

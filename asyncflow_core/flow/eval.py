@@ -285,6 +285,14 @@ class EvalRequests:
             for it in rnd.inflight.pop(replica, {}).values():
                 rnd.pending.appendleft(it)
 
+    async def requeue_all(self) -> None:
+        """Every in-flight eval request goes back to its round's queue: the tasks that drove them are gone (the
+        rollout stage cancelled them when training ended), so none of them will get a result."""
+        for rnd in self.rounds:
+            for replica in list(rnd.inflight):
+                for it in rnd.inflight.pop(replica).values():
+                    rnd.pending.appendleft(it)
+
     async def expire(self, oldest_served: int) -> None:
         """No live replica holds a version below ``oldest_served``: rounds pinned there fail what is left."""
         for rnd in list(self.rounds):
@@ -378,10 +386,13 @@ async def finish_rounds(queue: EvalRequests, engines: Sequence[Any], *, max_infl
                         load_latest: Callable[[], Awaitable[None]] | None = None) -> None:
     """After training ended: load the newest weights (``load_latest``), then run every open round with all slots.
 
-    A round pinned to a version no engine holds any more fails what it has left (its record still comes).
+    Requests that were in flight when the rollout stage stopped are queued again first (their driving tasks
+    were cancelled with the stage, so they would never get a result and their round would never finish). A
+    round pinned to a version no engine holds any more fails what it has left (its record still comes).
     """
     if not queue.outstanding:
         return
+    await queue.requeue_all()
     if load_latest is not None:
         await load_latest()
     if engines:
