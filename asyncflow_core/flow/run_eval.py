@@ -17,7 +17,11 @@ log = logging.getLogger("asyncflow.flow")
 def attach_eval(rt: Any, ctx: Any, rollout: Any, reward: Any, tokenizer: Any, dataset: Any,
                 metrics: Any, step_log: Any, sampling: Any, clock: Any) -> Any:
     """With an ``eval`` section: the queue on the rollout replicas, the evaluator and the scheduler that asks for an
-    evaluation pinned to every N-th published version. Returns the queue (None without the section)."""
+    evaluation pinned to every N-th published version. Returns the queue (None without the section).
+
+    The evaluator draws no ``eval.png`` during the run: matplotlib would block the event loop (rollouts and
+    training) for a third of a second per round, and a second and a half the first time; the run's files at the
+    end draw it from ``metrics.jsonl`` (:func:`~asyncflow_core.flow.run_report.write_run_files`)."""
     cfg = rt.config
     if cfg.eval is None:
         return None
@@ -25,7 +29,7 @@ def attach_eval(rt: Any, ctx: Any, rollout: Any, reward: Any, tokenizer: Any, da
 
     t0 = ctx.timeline.t0
     evaluator = Evaluator(reward, tokenizer, cfg.eval, writer=metrics, sinks=step_log.sinks, run_dir=rt.run_dir,
-                          timeout_s=cfg.reward.timeout_s, png=rt.write_png, clock=lambda: clock() - t0)
+                          timeout_s=cfg.reward.timeout_s, png=False, clock=lambda: clock() - t0)
     rollout.eval = EvalRequests(eval_sampling(cfg.eval, cfg.rollout, sampling.stop_token_ids),
                                 max_inflight=cfg.rollout.max_inflight, priority=cfg.eval.priority,
                                 on_complete=evaluator.evaluate)

@@ -156,11 +156,14 @@ def run_summary(ctx: FlowContext, *, steps: int, sim0: float, sim_s: float, wall
 
 def write_run_files(run_dir: Path, summary: dict[str, Any], timeline: Timeline, *, write_png: bool, name: str,
                     title: str) -> None:
-    """The trace, ``summary.json`` and (``write_png``) the reward and timeline plots, in ``run_dir``."""
+    """The trace, ``summary.json`` and (``write_png``) the reward, eval and timeline plots, in ``run_dir``."""
     timeline.write(run_dir)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if write_png and (run_dir / "metrics.jsonl").exists():
         reward_png(run_dir / "metrics.jsonl", run_dir / "reward.png", title=f"{name}: mean reward")
+        from asyncflow_core.flow.eval_report import eval_png
+
+        eval_png(run_dir)  # validation records, when the run had an eval section (none: no file)
     if write_png:
         gantt_png(timeline.spans and [s.__class__(s.lane, s.name, s.start - timeline.t0, s.end - timeline.t0)
                                       for s in timeline.spans] or [], run_dir / "timeline.png", title=title)
