@@ -38,7 +38,8 @@ from typing import Any, ClassVar
 
 from asyncflow_core import columns as C
 from asyncflow_core.capture import CaptureError, CaptureServer, CaptureSession
-from asyncflow_core.flow.multi_turn import MultiTurn, Progress, _record_of
+from asyncflow_core.flow.env_values import record_for_env
+from asyncflow_core.flow.multi_turn import MultiTurn, Progress
 from asyncflow_core.flow.single_turn import SingleTurn
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, RewardInput, SamplingParams
@@ -157,7 +158,7 @@ class Captured(SingleTurn):
         except Exception as exc:  # noqa: BLE001 - e.g. aiohttp missing: the row's recorded reason
             self.failure = f"the capture endpoint could not start: {_line(exc)}"
             return Progress.FAILED
-        rec = _record_of(self.record)
+        rec = record_for_env(self.record)
         f.live.add(self)
         self._calls = asyncio.Queue()
         self.session = s.server.open_session(metadata={"row": self.row, "index": rec.get("index")},

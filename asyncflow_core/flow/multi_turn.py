@@ -27,20 +27,19 @@ from __future__ import annotations
 import asyncio
 import enum
 import contextlib
-import inspect
 import logging
-import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from asyncflow_core import columns as C
 from asyncflow_core.errors import AsyncflowError
+from asyncflow_core.flow.env_values import awaitable, count_of, finite_number, record_for_env, untraced
 from asyncflow_core.flow.render import Renderer, RenderError
 from asyncflow_core.flow.single_turn import SingleTurn, as_tuple
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT
-from asyncflow_core.interfaces.environment import Action, Environment, Observation, ToolSpec
+from asyncflow_core.interfaces.environment import Action, Observation, ToolSpec
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from asyncflow_core.types.episode import Segment, Trajectory
 
@@ -82,38 +81,6 @@ class EpisodeSettings:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
         if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
             raise ValueError(f"max_episode_tokens must be >= 2, got {self.max_episode_tokens}")
-
-
-def _record_of(record: Any) -> dict[str, Any]:
-    """What ``reset`` receives: the record's metadata, with ``prompt``, ``index`` and ``prompt_token_ids``."""
-    if record is None:
-        return {}
-    if isinstance(record, Mapping):
-        return dict(record)
-    return {**dict(record.metadata), "prompt": record.prompt, "index": record.index,
-            "prompt_token_ids": tuple(record.prompt_token_ids)}
-
-
-def _number(value: Any) -> float | None:
-    """A finite int or float (bools count as 0/1), else None."""
-    if isinstance(value, (bool, int, float)) and math.isfinite(float(value)):
-        return float(value)
-    return None
-
-
-@contextlib.contextmanager
-def _untraced(name: str, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield args
-
-
-def _count(value: Any) -> int:
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return len(value)
-    return 0
 
 
 @dataclass(eq=False)  # the stage keeps a set of the episodes with an open environment
@@ -206,12 +173,12 @@ class MultiTurn(SingleTurn):
         args: dict[str, Any] = {"row": self.row, **({"turn": int(turn)} if turn else {})}
         timings = getattr(self.env, "timings", None)
         n0 = len(timings) if isinstance(timings, list) else None
-        with (self.tracer or _untraced)(kind, args):
+        with (self.tracer or untraced)(kind, args):
             t0 = time.perf_counter()
             try:
                 value = await self._guarded(what, call, s.step_timeout_s)
                 info = getattr(value, "info", None)
-                tool_s = _number(info.get("tool_seconds")) if isinstance(info, Mapping) else None
+                tool_s = finite_number(info.get("tool_seconds")) if isinstance(info, Mapping) else None
                 if tool_s is not None:
                     args["tool_s"] = tool_s
                 return value
@@ -248,8 +215,8 @@ class MultiTurn(SingleTurn):
         assert s is not None
         try:
             # opening waits for a free environment slot (environment.workers): not a step, so not under its timeout
-            self.env = await self._env_call("open", _awaitable(s.open_env), timed=False)
-            obs = await self._env_call("reset", lambda: self.env.reset(_record_of(self.record), seed=self.seed))
+            self.env = await self._env_call("open", awaitable(s.open_env), timed=False)
+            obs = await self._env_call("reset", lambda: self.env.reset(record_for_env(self.record), seed=self.seed))
             if not isinstance(obs, Observation):
                 raise _Failed(f"environment reset returned {type(obs).__name__}, not an Observation")
             self.tools = tuple(self.env.tools or ())
@@ -309,12 +276,12 @@ class MultiTurn(SingleTurn):
             return self._fail(f"environment step {seg.turn} returned {type(step).__name__}, not a Step")
         self.turn_rewards.append(float(step.reward))
         info = step.info or {}
-        self._tool_calls += _count(info.get("tool_calls", 0))
-        self._tool_ok += _count(info.get("tool_ok", 0))
-        tool_s = _number(info.get("tool_seconds"))
+        self._tool_calls += count_of(info.get("tool_calls", 0))
+        self._tool_ok += count_of(info.get("tool_ok", 0))
+        tool_s = finite_number(info.get("tool_seconds"))
         if tool_s is not None:
             self._tool_s = (self._tool_s or 0.0) + tool_s
-        self._correct = _number(info.get("correct"))  # the last step's: an earlier answer does not count
+        self._correct = finite_number(info.get("correct"))  # the last step's: an earlier answer does not count
         if step.done:
             return Progress.DONE
         if len(self.turn_rewards) >= s.max_turns:
@@ -378,14 +345,6 @@ class MultiTurn(SingleTurn):
 
 class _Failed(Exception):
     """An environment call failed; the message is the recorded reason."""
-
-
-def _awaitable(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
-    async def call() -> Any:
-        out = fn()
-        return await out if inspect.isawaitable(out) else out
-
-    return call
 
 
 class MultiTurnEpisodes:
