@@ -6,18 +6,30 @@ loaded from a local directory; exactly one output label). ``form: judge``
 sends a prompt template to a generative judge served by a rollout engine
 plugin (``torch``, ``vllm``, ...) and parses the verdict from its answer.
 
-Both score whole batches (the reward stage hands ``score_many`` a lease's
-samples at once): the classifier in padded batches of ``batch_size`` on its
-``replicas`` model copies, the judge as one request per sample over its
-engine replicas (an :class:`~asyncflow_core.flow.engine_pool.EnginePool`:
-most free slots first, ``max_inflight`` each). A batch not scored within the
-reward's ``timeout_s`` fails its samples; a judge replica that raises is
-marked dead and its samples fail; when every judge replica is dead, samples
-fail at once. A failed sample is recorded and dropped like any failed reward:
-the run goes on.
+The model copies (classifier) and judge engines are a role of the run of
+their own (:meth:`ModelRewardConfig.served_roles`, named ``reward_model``, or
+``reward_model.<label>`` as a ``combined`` term): the launcher builds their
+``replicas`` where ``placement`` says and hands them to the reward
+(:meth:`serve`). Under ``local`` each replica runs in the run's process on
+its ``placement.devices`` entry; under ``ray`` each is an actor of its own,
+in its own placement group with ``placement.cpus`` / ``placement.gpus``,
+built once for the run and replaced when it dies. Outside a launcher (a
+reward built by hand) the reward builds its replicas in this process itself.
 
-The judge's weights are its own (loaded from ``judge.model_path``); they never
-follow the policy's published versions (a frozen weight policy).
+Both score whole batches (the reward stage hands ``score_many`` a lease's
+samples at once): the classifier one batch per replica at a time, in padded
+forward passes of ``batch_size``; the judge as one request per sample over
+its engine replicas (an :class:`~asyncflow_core.flow.engine_pool.EnginePool`:
+most free slots first, ``max_inflight`` each). A batch not scored within the
+reward's ``timeout_s`` fails its samples. A replica that fails (its actor
+died, its engine raised) fails the samples it held, is marked dead, and is
+restarted when its launcher can (``ray``: up to ``launcher.options.max_restarts``
+times); while none serves, samples wait for a restart within their timeout,
+and once every replica is dead for good they fail at once. A failed sample
+is recorded and dropped like any failed reward: the run goes on.
+
+The replicas' weights are their own (``path``, ``judge.model_path``); they
+never follow the policy's published versions (:attr:`WeightPolicy.FROZEN`).
 
 ``combined`` is a weighted sum of other rewards (a rule such as ``math_verify``
 plus a ``model`` term, say); each term's value is logged beside the sum.
@@ -26,8 +38,11 @@ plus a ``model`` term, say); each term's value is logged beside the sum.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import itertools
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,6 +51,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.roles import Placement, RoleSpec, WeightPolicy, instance_options
 from asyncflow_core.interfaces import Reward
 from asyncflow_core.plugins import RewardBackend, hookimpl
 from asyncflow_core.types import FinishReason, GenerationRequest, RewardInput, SamplingParams
@@ -46,6 +62,10 @@ DEFAULT_JUDGE_TEMPLATE = (
     "You grade answers. Question:\n{prompt}\n\nAnswer:\n{completion}\n\n"
     "Is the answer correct? Reply with one word: yes or no."
 )
+
+#: the role of a ``model`` reward's replicas (``reward_model.<label>`` for a ``combined`` term)
+ROLE = "reward_model"
+_DEVICE = r"^(cpu|auto|mps|cuda(:\d+)?)$"
 
 
 class JudgeConfig(BaseModel):
@@ -58,7 +78,8 @@ class JudgeConfig(BaseModel):
     engine: str = Field("torch", description="Rollout engine plugin serving the judge (torch, vllm, ...).")
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of that engine (its `model` is set from model_path).")
-    replicas: int = Field(1, ge=1, description="Judge engine replicas.")
+    replicas: int | None = Field(
+        None, ge=1, description="Judge engine replicas: the older spelling of reward.options.replicas (give one).")
     max_inflight: int = Field(32, ge=1, description="Most judge requests one replica works on at once.")
     template: str = Field(
         DEFAULT_JUDGE_TEMPLATE,
@@ -74,6 +95,29 @@ class JudgeConfig(BaseModel):
     temperature: float = Field(0.01, gt=0, description="Judge sampling temperature (small: near-greedy).")
 
 
+class ReplicaPlacement(BaseModel):
+    """Where a reward model's replicas run: devices under ``local``, reserved resources under ``ray``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    devices: list[str] | None = Field(
+        None,
+        description="local launcher: the device of each replica, one entry per replica (e.g. [cuda:1, cuda:2]); "
+        "unset: every replica on `device` (classifier) or the engine's own device option (judge). Ignored by ray.")
+    cpus: float = Field(1.0, ge=0, description="ray launcher: CPUs reserved per replica actor.")
+    gpus: float = Field(
+        0.0, ge=0,
+        description="ray launcher: GPUs reserved per replica actor (Ray sets its CUDA_VISIBLE_DEVICES; the replica "
+        "runs on cuda). 0: it runs on CPU.")
+
+    @model_validator(mode="after")
+    def _devices(self) -> ReplicaPlacement:
+        for d in self.devices or ():
+            if not re.match(_DEVICE, d):
+                raise ValueError(f"placement.devices entry {d!r} is not a device; write cpu, cuda, cuda:N or auto")
+        return self
+
+
 class ModelRewardConfig(BaseModel):
     """Options of ``model``."""
 
@@ -82,9 +126,13 @@ class ModelRewardConfig(BaseModel):
     form: Literal["classifier", "judge"] = Field(
         description="classifier: a sequence-classification reward model; judge: a generative judge.")
     path: str | None = Field(None, description="classifier: local AutoModelForSequenceClassification directory.")
-    device: str = Field("cpu", description="classifier: torch device of the reward model (cuda:1, ...).")
+    device: str = Field("cpu", pattern=_DEVICE,
+                        description="classifier: torch device of every replica (cuda:1, ...) unless placement.devices "
+                        "names one per replica; under ray a replica with placement.gpus runs on its own GPU.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="classifier: parameter dtype.")
-    replicas: int = Field(1, ge=1, description="classifier: model copies scoring batches concurrently.")
+    replicas: int = Field(1, ge=1, description="Replicas of the reward model (classifier copies, judge engines).")
+    placement: ReplicaPlacement = Field(
+        default_factory=ReplicaPlacement, description="Devices (local) or resources (ray) of each replica.")
     batch_size: int = Field(16, ge=1, description="classifier: sequences per forward pass.")
     max_length: int = Field(2048, ge=8, description="classifier: longer (prompt, completion) pairs are truncated.")
     chat_template: bool = Field(
@@ -100,7 +148,147 @@ class ModelRewardConfig(BaseModel):
             raise ValueError("reward.options.form classifier needs reward.options.path (a local reward model)")
         if self.form == "judge" and self.judge is None:
             raise ValueError("reward.options.form judge needs reward.options.judge (model_path, engine, template)")
+        if self.judge is not None and self.judge.replicas is not None:
+            if "replicas" in self.model_fields_set and self.replicas != self.judge.replicas:
+                raise ValueError(f"reward.options.replicas={self.replicas} and judge.replicas={self.judge.replicas} "
+                                 "disagree; give the replica count once, as reward.options.replicas")
+            self.replicas = self.judge.replicas
+        devices = self.placement.devices
+        if devices is not None and len(devices) != self.replicas:
+            raise ValueError(f"reward.options.placement.devices names {len(devices)} devices for {self.replicas} "
+                             "replicas; give one device per replica (or set replicas to match)")
         return self
+
+    def served_roles(self, *, serves: str = "reward", name: str = ROLE) -> tuple[RoleSpec, ...]:
+        """The role of this reward's replicas (see :mod:`asyncflow_core.flow.roles`): one record, ``replicas``
+        instances, frozen weights, placed by ``placement``."""
+        p = self.placement
+        placement = Placement(cpus=p.cpus, gpus=p.gpus, devices=tuple(p.devices or ()))
+        if self.form == "classifier":
+            interface, factory = "reward_model", ClassifierReplica
+            options: BaseModel = ReplicaOptions(reward=self, device=self.device)
+        else:
+            assert self.judge is not None
+            interface = "rollout"  # a judge replica is a rollout engine whose weights never change
+            factory, options = judge_engine(self.judge)
+        return (RoleSpec(name, serves, interface, count=self.replicas, weights=WeightPolicy.FROZEN, resources=name,
+                         placement=placement, serves=serves, factory=factory, options=options),)
+
+
+def judge_engine(judge: JudgeConfig) -> tuple[Any, BaseModel]:
+    """The rollout engine plugin's factory and validated options that serve ``judge`` (``model`` set)."""
+    from asyncflow_core.config.models import ModelConfig
+    from asyncflow_core.plugins import PluginKind, get_plugin_manager
+
+    pm = get_plugin_manager()
+    record = pm.lookup(PluginKind.ROLLOUT_ENGINE, judge.engine).record
+    opts = {**judge.engine_options}
+    if "model" in record.config_model.model_fields:
+        opts["model"] = ModelConfig(path=judge.model_path)
+    options = pm.validate_options(PluginKind.ROLLOUT_ENGINE, judge.engine, opts,
+                                  where="reward.options.judge.engine_options")
+    return record.factory, options
+
+
+class _Features(BaseModel):
+    """What a dispatcher asks of a replica: whether it can be replaced after a failure."""
+
+    supports_restart: bool = False
+
+
+class _ServedPool:
+    """The replicas of a ``model`` reward as an :class:`EnginePool`, with the waiting and restarts around it.
+
+    ``changed`` is set (and replaced) whenever a replica frees a slot or
+    comes back, so a caller with nothing to dispatch to waits for that, not
+    for a poll.
+    """
+
+    def __init__(self, replicas: list[Any], *, max_inflight: int, what: str) -> None:
+        from asyncflow_core.flow.engine_pool import EnginePool
+
+        self.pool = EnginePool(replicas, max_inflight=max_inflight, name=what)
+        self.what = what
+        self.changed = asyncio.Event()
+        self._restarts: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        """Start every replica; one that fails to start is marked dead (and restarted when it can be).
+
+        Replicas in other processes (a launcher's actors, ``out_of_process``)
+        start together; those in this process one after another, as two
+        Hugging Face loads in one process at once are not safe.
+        """
+        async def one(r: Any) -> None:
+            try:
+                await r.engine.start()
+            except Exception as exc:  # noqa: BLE001 - dead from the start; its samples fail with the reason
+                self.failed(r, exc)
+
+        remote = {r.index for r in self.pool if getattr(r.engine, "out_of_process", False)}
+        await asyncio.gather(*(one(r) for r in self.pool if r.index in remote))
+        for r in self.pool:
+            if r.index not in remote:
+                await one(r)
+
+    def next_replica(self, aside: list[tuple[int, int]]) -> Any:
+        """The pool's next replica for new work, or None; a replica its launcher already knows is lost (an actor
+        whose heartbeat failed, ``lost``) is failed here instead, so no batch is sent to it."""
+        while True:
+            r = self.pool.next_replica(aside)
+            lost = None if r is None else getattr(r.engine, "lost", None)
+            if lost is None:
+                return r
+            self.failed(r, lost)
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def wait_change(self, until: float) -> bool:
+        """Wait for a freed slot or a restarted replica until loop time ``until``; False when time ran out."""
+        left = until - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), left)
+        return True
+
+    def none_serving(self) -> str | None:
+        """Why nothing can be dispatched for good (every replica dead, none restarting), else None."""
+        if self.pool.all_dead():
+            return f"every {self.what} replica died (last: {self.pool.last_death})"
+        return None
+
+    def failed(self, r: Any, exc: BaseException) -> list[Any]:
+        """``r`` failed with ``exc``: mark it dead, restart it in the background when it can be; its orphans."""
+        restartable = self.pool.restartable(r)
+        orphans = self.pool.mark_dead(r, exc, restartable=restartable)
+        if orphans is None:
+            return []
+        log.error("%s replica %d failed: %s: %s%s", self.what, r.index, type(exc).__name__, exc,
+                  "; restarting it" if restartable else "")
+        if restartable:
+            task = asyncio.ensure_future(self._restart(r))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
+        self.notify()
+        return orphans
+
+    async def _restart(self, r: Any) -> None:
+        async def started(replica: Any) -> None:
+            pass  # a restarted replica starts with its own (frozen) weights: nothing to load
+
+        await self.pool.restart(r, started, span=lambda lane, name: contextlib.nullcontext())
+        self.notify()
+
+    async def close(self) -> None:
+        for t in list(self._restarts):
+            t.cancel()
+        await asyncio.gather(*self._restarts, return_exceptions=True)
+        for r in self.pool:
+            with contextlib.suppress(Exception):
+                await r.engine.shutdown()
 
 
 # ------------------------------------------------------------------------------------------- classifier
@@ -113,8 +301,93 @@ def _check_dir(path: str, what: str) -> Path:
     return p
 
 
+class ReplicaOptions(BaseModel):
+    """Options of one classifier replica: the reward's options and the device its launcher put it on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: ModelRewardConfig = Field(description="The reward's options.")
+    device: str | None = Field(None, description="This replica's device (set by the launcher); unset: reward.device.")
+
+
+class ClassifierReplica:
+    """One copy of a sequence-classification reward model on one device: an instance of the ``reward_model`` role.
+
+    It loads on :meth:`start` (in a thread) and scores whole batches; a
+    forward pass that raises fails that batch's samples, while a replica
+    that cannot load raises, so its dispatcher marks it dead.
+    """
+
+    features = _Features()
+
+    def __init__(self, options: ReplicaOptions) -> None:
+        self.config = options.reward
+        self.device = options.device or options.reward.device
+        self.pid = os.getpid()
+        self._model: Any = None
+        self._tokenizer: Any = None
+
+    async def start(self) -> None:
+        if self._model is None:
+            await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer  # type: ignore[import-not-found]
+
+        cfg = self.config
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"reward model device {self.device!r} was asked for but CUDA is not available here")
+        tok = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "right"
+        model = AutoModelForSequenceClassification.from_pretrained(
+            cfg.path, local_files_only=True, dtype=getattr(torch, cfg.dtype)).to(self.device).eval()
+        if model.config.pad_token_id is None:  # batched scoring finds each sequence's last token by the pad id
+            model.config.pad_token_id = tok.pad_token_id
+        self._tokenizer, self._model = tok, model
+
+    def _text(self, s: RewardInput) -> str:
+        tok = self._tokenizer
+        if self.config.chat_template and getattr(tok, "chat_template", None):
+            chat = [{"role": "user", "content": s.prompt}, {"role": "assistant", "content": s.completion}]
+            return tok.apply_chat_template(chat, tokenize=False)
+        return s.prompt + s.completion
+
+    def _forward(self, texts: list[str]) -> list[float]:
+        import torch
+
+        cfg = self.config
+        out: list[float] = []
+        for i in range(0, len(texts), cfg.batch_size):
+            enc = self._tokenizer(texts[i:i + cfg.batch_size], return_tensors="pt", padding=True, truncation=True,
+                                  max_length=cfg.max_length).to(self.device)
+            with torch.no_grad():
+                logits = self._model(**enc).logits.float()
+            out.extend((logits[:, 0] * cfg.scale + cfg.shift).tolist())
+        return out
+
+    async def score_many(self, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
+        """``(True, score)`` per sample, or ``(False, why)`` for each when the forward pass raised."""
+        await self.start()
+        try:
+            values = await asyncio.to_thread(self._forward, [self._text(s) for s in samples])
+        except Exception as exc:  # noqa: BLE001 - the batch fails, the replica and the run go on
+            return [(False, f"reward model failed: {type(exc).__name__}: {exc}")] * len(samples)
+        return [(True, v) for v in values]
+
+    async def health(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        self._model = self._tokenizer = None
+
+
 class ClassifierReward(Reward):
-    """A sequence-classification reward model; its one output logit (scaled) is the reward."""
+    """A sequence-classification reward model on its replicas; its one output logit (scaled) is the reward."""
 
     def __init__(self, config: ModelRewardConfig) -> None:
         from transformers import AutoConfig  # type: ignore[import-not-found]
@@ -127,71 +400,74 @@ class ClassifierReward(Reward):
             raise ConfigError(f"reward.options.path {config.path!r}: the reward model has {labels} output labels; a "
                               "reward model scores with exactly one (num_labels=1), so use a reward model, not a "
                               "classifier with several classes")
-        self._models: asyncio.Queue | None = None
-        self._tokenizer: Any = None
+        self.role = ROLE
+        self._served: list[Any] | None = None
+        self._replicas: _ServedPool | None = None
+        self._start_lock = asyncio.Lock()
+        self._ids = itertools.count()
 
-    def _load(self) -> None:
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer  # type: ignore[import-not-found]
+    def serve(self, name: str, instances: Sequence[Any]) -> None:
+        """Score on ``instances`` (the launcher's replicas of role ``name``) instead of copies built here."""
+        self.role, self._served = name, list(instances)
 
-        cfg = self.config
-        tok = AutoTokenizer.from_pretrained(cfg.path, local_files_only=True)
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-        tok.padding_side = "right"
-        models = []
-        for _ in range(cfg.replicas):
-            m = AutoModelForSequenceClassification.from_pretrained(
-                cfg.path, local_files_only=True, dtype=getattr(torch, cfg.dtype)).to(cfg.device).eval()
-            if m.config.pad_token_id is None:  # batched scoring finds each sequence's last token by the pad id
-                m.config.pad_token_id = tok.pad_token_id
-            models.append(m)
-        self._tokenizer = tok
-        self._models = asyncio.Queue()
-        for m in models:
-            self._models.put_nowait(m)
+    @property
+    def replicas(self) -> list[Any]:
+        """The replicas scoring (once started): in-process :class:`ClassifierReplica` s or a launcher's proxies."""
+        return [] if self._replicas is None else [r.engine for r in self._replicas.pool]
 
-    def _text(self, s: RewardInput) -> str:
-        tok = self._tokenizer
-        if self.config.chat_template and getattr(tok, "chat_template", None):
-            chat = [{"role": "user", "content": s.prompt}, {"role": "assistant", "content": s.completion}]
-            return tok.apply_chat_template(chat, tokenize=False)
-        return s.prompt + s.completion
-
-    def _forward(self, model: Any, texts: list[str]) -> list[float]:
-        import torch
-
-        cfg = self.config
-        out: list[float] = []
-        for i in range(0, len(texts), cfg.batch_size):
-            enc = self._tokenizer(texts[i:i + cfg.batch_size], return_tensors="pt", padding=True, truncation=True,
-                                  max_length=cfg.max_length).to(cfg.device)
-            with torch.no_grad():
-                logits = model(**enc).logits.float()
-            out.extend((logits[:, 0] * cfg.scale + cfg.shift).tolist())
-        return out
+    async def _start(self) -> None:
+        async with self._start_lock:
+            if self._replicas is not None:
+                return
+            if self._served is None:  # no launcher placed them: copies in this process, on placement.devices
+                spec = self.config.served_roles(name=self.role)[0]
+                self._served = [spec.factory(instance_options(spec, i)) for i in range(spec.count)]
+            sp = _ServedPool(self._served, max_inflight=1, what="reward model")  # a copy scores one batch at a time
+            await sp.start()
+            self._replicas = sp
 
     async def score_many(self, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
-        if self._models is None:
-            await asyncio.to_thread(self._load)
-        assert self._models is not None
-        texts = [self._text(s) for s in samples]
-        model = await self._models.get()
+        await self._start()
+        sp = self._replicas
+        assert sp is not None
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
+        n = len(samples)
+        while True:
+            aside: list[tuple[int, int]] = []
+            r = sp.next_replica(aside)
+            sp.pool.put_back(aside)
+            if r is not None:
+                break
+            why = sp.none_serving()
+            if why is not None:
+                return [(False, why)] * n
+            if not await sp.wait_change(until):  # every replica busy (or restarting) for the whole timeout
+                return [(False, f"reward model timed out after {timeout_s}s (no replica was free)")] * n
+        batch = f"batch-{next(self._ids)}"
+        sp.pool.assign(r, batch, batch)
         try:
-            values = await asyncio.wait_for(asyncio.to_thread(self._forward, model, texts), timeout_s)
+            answers = await asyncio.wait_for(r.engine.score_many(list(samples), timeout_s),
+                                             max(until - loop.time(), 1e-3))
+            return [(bool(ok), v) for ok, v in answers]
         except TimeoutError:
-            return [(False, f"reward model timed out after {timeout_s}s")] * len(samples)
-        except Exception as exc:  # noqa: BLE001 - the batch fails, the run goes on
-            return [(False, f"reward model failed: {type(exc).__name__}: {exc}")] * len(samples)
+            return [(False, f"reward model timed out after {timeout_s}s")] * n
+        except Exception as exc:  # noqa: BLE001 - the replica failed (its actor died, it cannot load): its samples fail
+            sp.failed(r, exc)
+            return [(False, f"reward model replica {r.index} failed: {type(exc).__name__}: {exc}")] * n
         finally:
-            self._models.put_nowait(model)
-        return [(True, v) for v in values]
+            sp.pool.release(r, batch)
+            sp.notify()
 
     async def score(self, sample: RewardInput) -> float:
         ok, value = (await self.score_many([sample], 3600.0))[0]
         if not ok:
             raise RuntimeError(value)
         return value
+
+    async def shutdown(self) -> None:
+        if self._replicas is not None:
+            await self._replicas.close()
 
 
 # ------------------------------------------------------------------------------------------------ judge
@@ -208,11 +484,11 @@ def parse_verdict(text: str, verdicts: Mapping[str, float]) -> float | None:
 
 
 class JudgeReward(Reward):
-    """A generative judge on its own engine replicas; the verdict in its answer is the reward."""
+    """A generative judge on its engine replicas (the ``reward_model`` role); the verdict in its answer is the
+    reward."""
 
     def __init__(self, config: ModelRewardConfig) -> None:
         from asyncflow_core.config.models import ModelConfig
-        from asyncflow_core.plugins import PluginKind, get_plugin_manager
 
         assert config.judge is not None
         self.config = config
@@ -223,23 +499,22 @@ class JudgeReward(Reward):
         except (KeyError, IndexError, ValueError) as exc:
             raise ConfigError(f"reward.options.judge.template does not format with prompt, completion and answer "
                               f"({exc!r}); write '{{{{' for a literal brace") from None
-        pm = get_plugin_manager()
-        record = pm.lookup(PluginKind.ROLLOUT_ENGINE, judge.engine).record
         self._model = ModelConfig(path=judge.model_path)
-        opts = {**judge.engine_options}
-        if "model" in record.config_model.model_fields:
-            opts["model"] = self._model
-        self._options = pm.validate_options(PluginKind.ROLLOUT_ENGINE, judge.engine, opts,
-                                            where="reward.options.judge.engine_options")
-        self._factory = record.factory
+        self._factory, self._options = judge_engine(judge)
+        self.role = ROLE
+        self._served: list[Any] | None = None
+        self._replicas: _ServedPool | None = None
         self._pool: Any = None
         self._tokenizer: Any = None
         self._sampling: SamplingParams | None = None
         self._start_lock = asyncio.Lock()
         self._seq = 0
 
+    def serve(self, name: str, instances: Sequence[Any]) -> None:
+        """Judge on ``instances`` (the launcher's engine replicas of role ``name``) instead of engines built here."""
+        self.role, self._served = name, list(instances)
+
     async def _start(self) -> None:
-        from asyncflow_core.flow.engine_pool import EnginePool
         from asyncflow_core.flow.tokenizer import make_tokenizer, stop_token_ids
 
         async with self._start_lock:
@@ -250,10 +525,12 @@ class JudgeReward(Reward):
             self._tokenizer = make_tokenizer(self._model)
             self._sampling = SamplingParams(max_new_tokens=judge.max_new_tokens, temperature=judge.temperature,
                                             stop_token_ids=stop_token_ids(self._model, self._tokenizer))
-            engines = [self._factory(self._options) for _ in range(judge.replicas)]
-            for e in engines:
-                await e.start()
-            self._pool = EnginePool(engines, max_inflight=judge.max_inflight)
+            if self._served is None:  # no launcher placed them: engines in this process, on placement.devices
+                spec = self.config.served_roles(name=self.role)[0]
+                self._served = [self._factory(instance_options(spec, i)) for i in range(spec.count)]
+            sp = _ServedPool(self._served, max_inflight=judge.max_inflight, what="judge")
+            await sp.start()
+            self._replicas, self._pool = sp, sp.pool
 
     def _prompt_ids(self, s: RewardInput) -> tuple[int, ...]:
         judge = self.config.judge
@@ -266,18 +543,20 @@ class JudgeReward(Reward):
 
     async def score_many(self, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
         await self._start()
-        judge = self.config.judge
-        assert judge is not None and self._sampling is not None
+        judge, sp = self.config.judge, self._replicas
+        assert judge is not None and self._sampling is not None and sp is not None
+        loop = asyncio.get_running_loop()
+        until = loop.time() + timeout_s
         answers: list[tuple[bool, Any]] = [(False, "not scored")] * len(samples)
         todo = list(range(len(samples)))
         pool = self._pool
-        drives = []
+        drives: list[asyncio.Future] = []
         while todo:
             aside: list[tuple[int, int]] = []
             per: dict[int, list[tuple[int, GenerationRequest]]] = {}
             left = []
             for i in todo:
-                r = pool.next_replica(aside)
+                r = sp.next_replica(aside)
                 if r is None:
                     left.append(i)
                     continue
@@ -293,15 +572,23 @@ class JudgeReward(Reward):
             pool.put_back(aside)
             drives += [asyncio.ensure_future(self._drive(pool[idx], reqs, answers, timeout_s))
                        for idx, reqs in per.items()]
-            if pool.alive == 0:
-                for i in left:
-                    answers[i] = (False, f"every judge replica died (last: {pool.last_death})")
+            if not left:
                 break
-            if left and drives:  # every replica full: wait for one batch, then place the rest
-                await asyncio.wait(drives, return_when=asyncio.FIRST_COMPLETED)
-                drives = [d for d in drives if not d.done()]
-            elif left:  # full with another caller's requests
-                await asyncio.sleep(0.01)
+            why = sp.none_serving()
+            if why is None:  # every replica full (ours or another caller's requests) or restarting: wait for one
+                if drives:
+                    await asyncio.wait(drives, timeout=max(until - loop.time(), 0),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    drives = [d for d in drives if not d.done()]
+                    waited = loop.time() < until
+                else:
+                    waited = await sp.wait_change(until)
+                if not waited:
+                    why = f"judge timed out after {timeout_s}s (no replica was free)"
+            if why is not None:
+                for i in left:
+                    answers[i] = (False, why)
+                break
             todo = left
         if drives:
             await asyncio.gather(*drives)
@@ -310,7 +597,7 @@ class JudgeReward(Reward):
     async def _drive(self, r: Any, reqs: list[tuple[int, GenerationRequest]], answers: list[tuple[bool, Any]],
                      timeout_s: float) -> None:
         judge = self.config.judge
-        assert judge is not None
+        assert judge is not None and self._replicas is not None
         index = {req.request_id: i for i, req in reqs}
 
         async def consume() -> None:
@@ -334,18 +621,18 @@ class JudgeReward(Reward):
             for rid in late:
                 self._pool.release(r, rid)
                 answers[index[rid]] = (False, f"judge timed out after {timeout_s}s")
-            if late and r.engine.features.supports_abort:
+            if late and not r.dead and r.engine.features.supports_abort:
                 try:
                     await r.engine.abort(late)
                 except Exception:  # noqa: BLE001 - it may be the hung part
                     pass
         except Exception as exc:  # noqa: BLE001 - a failing replica fails its samples; the run goes on
-            for i in self._pool.mark_dead(r, exc, restartable=False) or []:
+            for i in self._replicas.failed(r, exc):
                 answers[i] = (False, f"judge replica {r.index} failed: {type(exc).__name__}: {exc}")
-            log.error("judge replica %d died: %s: %s", r.index, type(exc).__name__, exc)
         for rid, i in index.items():  # a result the engine never sent
             if self._pool.release(r, rid) is not None:
                 answers[i] = (False, "the judge engine returned no result for it")
+        self._replicas.notify()
 
     async def score(self, sample: RewardInput) -> float:
         ok, value = (await self.score_many([sample], 3600.0))[0]
@@ -354,9 +641,8 @@ class JudgeReward(Reward):
         return value
 
     async def shutdown(self) -> None:
-        if self._pool is not None:
-            for r in self._pool:
-                await r.engine.shutdown()
+        if self._replicas is not None:
+            await self._replicas.close()
 
 
 def make_model_reward(config: ModelRewardConfig) -> Reward:
@@ -382,12 +668,33 @@ class CombinedConfig(BaseModel):
 
     terms: list[Term] = Field(min_length=1, description="The rewards to add up, each with its weight.")
 
+    def served_roles(self, *, serves: str = "reward") -> tuple[RoleSpec, ...]:
+        """The roles of the terms' own replicas: a ``model`` term labelled ``rm`` is role ``reward_model.rm``."""
+        from asyncflow_core.plugins import PluginKind, get_plugin_manager
+
+        pm = get_plugin_manager()
+        out: list[RoleSpec] = []
+        for j, term in enumerate(self.terms):
+            if term.name == "combined":
+                continue  # refused when the reward is built, with its own message
+            opts = pm.validate_options(PluginKind.REWARD, term.name, term.options,
+                                       where=f"reward.options.terms[{j}].options")
+            declare = getattr(opts, "served_roles", None)
+            if callable(declare):
+                out.extend(declare(serves=serves, name=_term_role(term)))
+        return tuple(out)
+
+
+def _term_role(term: Term) -> str:
+    return f"{ROLE}.{term.label or term.name}"
+
 
 class CombinedReward(Reward):
     """sum(weight * term): every term scores every sample (batched when it can); any failed term fails the sample.
 
     Extra values a term returns (``answer_found``) are passed through, and each
-    term's own value is reported as ``<label>``.
+    term's own value is reported as ``<label>``; both are declared (``extras``),
+    so each is a store column and a per-step metric.
     """
 
     def __init__(self, config: CombinedConfig) -> None:
@@ -395,6 +702,7 @@ class CombinedReward(Reward):
 
         pm = get_plugin_manager()
         self.terms = []
+        self._by_role: dict[str, Any] = {}  #: served role name -> the term's reward that uses it
         labels = []
         for j, term in enumerate(config.terms):
             if term.name == "combined":
@@ -407,6 +715,21 @@ class CombinedReward(Reward):
                 raise ConfigError(f"reward.options.terms[{j}]: label {label!r} is taken; give each term its own label")
             labels.append(label)
             self.terms.append((label, term.weight, record.factory(opts)))
+            self._by_role[_term_role(term)] = self.terms[-1][2]
+        #: declared extra values (store columns reward_extra/<key>): each term's value, then the terms' own extras
+        from asyncflow_core.interfaces.features import reward_features
+
+        extras = [label for label, _, _ in self.terms]
+        for _, _, reward in self.terms:
+            extras += [k for k in reward_features(reward).extras if k not in extras]
+        self.extras = tuple(extras)
+
+    def serve(self, name: str, instances: Sequence[Any]) -> None:
+        """Hand a term's replicas (role ``reward_model.<label>``) to that term."""
+        term = self._by_role.get(name)
+        if term is None or not callable(getattr(term, "serve", None)):
+            raise ValueError(f"combined reward: no term uses role {name!r} (terms: {sorted(self._by_role)})")
+        term.serve(name, instances)
 
     @staticmethod
     async def _term(reward: Any, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:

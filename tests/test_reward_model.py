@@ -171,8 +171,11 @@ def test_rule_plus_model_is_a_weighted_sum_with_each_term_logged(chat, tmp_path)
         {"name": "math_verify", "weight": 1.0, "label": "correct", "options": {"fallback": "none"}},
         {"name": "model", "weight": 0.1, "label": "rm", "options": {"form": "classifier", "path": str(path)}},
     ]))
+    # every value it returns beside the sum is declared, so each is a store column and a per-step metric
+    assert combo.extras == ("correct", "rm", "answer_found")
     out = asyncio.run(combo.score_many(_samples(), 60.0))
     for i, (ok, value) in enumerate(out):
+        assert set(value) == {"reward", *combo.extras}
         assert ok and value["correct"] == float(i % 2 == 1) and value["answer_found"] == float(i % 2 == 1)
         assert math.isclose(value["reward"], value["correct"] + 0.1 * value["rm"], rel_tol=1e-9, abs_tol=1e-12)
     with pytest.raises(ConfigError, match="label 'x' is taken"):

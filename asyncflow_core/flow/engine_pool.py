@@ -8,8 +8,9 @@ from those and are kept by the pool's own mutators only, so no caller
 adjusts a counter by hand. Whether a replica may start work beyond that
 (its weights inside the staleness bound, say) is the ``may_start``
 predicate its owner passes in. The rollout stage uses it for generation
-engines; the same pool serves any engine kind with ``generate``-style
-requests (reward-model engines, for instance).
+engines; the ``model`` reward uses it for its replicas (judge engines, and
+classifier copies with one batch in flight each), named in log lines by
+``name``.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ class EnginePool:
     """Replicas with ``max_inflight`` slots each; the free-slot heap picks the replica with the most free slots."""
 
     def __init__(self, engines: list[Any], *, max_inflight: int,
-                 may_start: Callable[[Replica], bool] | None = None) -> None:
+                 may_start: Callable[[Replica], bool] | None = None, name: str = "rollout") -> None:
         self.replicas = [Replica(i, e) for i, e in enumerate(engines)]
+        self.name = name  #: what the replicas are, in log lines ("rollout", "judge", "reward model")
         self.max_inflight = max_inflight
         #: beyond state and load, whether a replica may start work now (the owner's policy, e.g. staleness)
         self.may_start: Callable[[Replica], bool] = may_start or (lambda r: True)
@@ -207,7 +209,8 @@ class EnginePool:
             except Exception as exc:  # noqa: BLE001 - out of restarts (or cannot start): it stays dead
                 self._set_state(r, ReplicaState.DEAD)
                 self.last_death = f"replica {r.index}: restart failed: {type(exc).__name__}: {exc}"
-                log.error("rollout replica %d could not be restarted: %s: %s", r.index, type(exc).__name__, exc)
+                log.error("%s replica %d could not be restarted: %s: %s", self.name, r.index, type(exc).__name__,
+                          exc)
                 return False
             try:
                 await reload(r)
@@ -215,7 +218,7 @@ class EnginePool:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the new engine failed too: replace it again (restart counts)
-                log.error("rollout replica %d failed loading weights after its restart: %s: %s", r.index,
+                log.error("%s replica %d failed loading weights after its restart: %s: %s", self.name, r.index,
                           type(exc).__name__, exc)
         self._set_state(r, ReplicaState.READY)
         self._load_changed(r)

@@ -7,6 +7,15 @@ launcher change, as long as its ``interface`` is one the launchers know.
 Components that are not roles (store, data, algorithm, weight transport) are
 built in the runtime's process by their plugin's factory unless a launcher
 overrides one in :meth:`Roles.build`.
+
+A plugin may need replicas of its own: a ``model`` reward serves its reward
+model or judge on replicas that get their own devices. Its options declare
+them (a ``served_roles()`` method returning :class:`RoleSpec` records with
+``serves`` set to the role that uses them, a ``factory`` and ``options`` that
+build one instance, and a :class:`Placement`); :func:`run_roles` emits them
+beside the run's own roles, and :meth:`Roles.build` builds them where the
+launcher places them and hands them to the component (its ``serve(name,
+instances)``) right after building it.
 """
 
 from __future__ import annotations
@@ -18,7 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RoleSpec", "Roles", "WeightPolicy", "run_roles"]
+from asyncflow_core.errors import ConfigError
+
+__all__ = ["Placement", "RoleSpec", "Roles", "WeightPolicy", "run_roles"]
 
 
 class WeightPolicy(str, enum.Enum):
@@ -28,6 +39,27 @@ class WeightPolicy(str, enum.Enum):
     FOLLOWS = "follows"  #: loads every published version (rollout replicas)
     FROZEN = "frozen"  #: keeps the weights it started with (the reference model, judges)
     NONE = "none"  #: has no weights the run manages (a rule-based reward)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a role's instances go, as its own config asks (a role without one is placed by launcher options).
+
+    ``devices`` is for launchers that run instances in their own process
+    (``local``): instance ``i`` gets ``devices[i]`` (``cuda:1``, ``cpu``); empty,
+    each keeps the device its options name. ``cpus`` / ``gpus`` are what a
+    launcher that starts a process per instance (``ray``) reserves for each;
+    Ray then sets the instance's ``CUDA_VISIBLE_DEVICES``, so it sees its GPU
+    as ``cuda:0``.
+    """
+
+    cpus: float = 1.0
+    gpus: float = 0.0
+    devices: tuple[str, ...] = ()
+
+    def device(self, index: int) -> str | None:
+        """The device of instance ``index`` under an in-process launcher, or None (its options decide)."""
+        return self.devices[index] if self.devices else None
 
 
 @dataclass(frozen=True)
@@ -42,7 +74,14 @@ class RoleSpec:
     losing it ends the run (else the launcher replaces it); ``weights`` its
     :class:`WeightPolicy`; ``resources`` the pool a launcher reserves its
     resources in (the ray launcher reads ``<resources>_cpus`` /
-    ``<resources>_gpus`` from its options).
+    ``<resources>_gpus`` from its options unless ``placement`` says).
+
+    A served role (``serves`` names the role whose component uses its
+    instances, e.g. ``reward``) is built from the record alone: ``factory``
+    (picklable, module level) builds one instance from ``options`` (a
+    pydantic model; a ``device`` field, when it has one, is set per instance
+    from ``placement.devices``), and ``placement`` says what each instance
+    gets.
     """
 
     name: str
@@ -52,6 +91,10 @@ class RoleSpec:
     fatal: bool = False
     weights: WeightPolicy = WeightPolicy.NONE
     resources: str = ""
+    placement: Placement | None = None
+    serves: str = ""
+    factory: Any = None
+    options: Any = None
 
     def __post_init__(self) -> None:
         if not self.resources:
@@ -67,7 +110,27 @@ def run_roles(cfg: Any, *, needs_ref: bool) -> tuple[RoleSpec, ...]:
     if needs_ref:
         roles.append(RoleSpec("ref", "trainer", "train", fatal=True, weights=WeightPolicy.FROZEN))
     roles.append(RoleSpec("reward", "reward", "reward"))
+    roles.extend(served_roles(cfg.reward, serves="reward"))
+    names = [r.name for r in roles]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"two roles are named {name!r}; give each reward term its own label")
     return tuple(roles)
+
+
+def served_roles(section: Any, *, serves: str) -> tuple[RoleSpec, ...]:
+    """The roles the plugin of config ``section`` (a :class:`Component`) declares for its own replicas.
+
+    Its validated options declare them with a ``served_roles(serves=...)``
+    method (``reward.options`` of ``model`` and ``combined``); options without
+    one declare none.
+    """
+    from asyncflow_core.plugins import PluginKind, get_plugin_manager
+
+    options = get_plugin_manager().validate_options(PluginKind(serves), section.name, section.options,
+                                                    where=f"{serves}.options")
+    declare = getattr(options, "served_roles", None)
+    return tuple(declare(serves=serves)) if callable(declare) else ()
 
 
 class Roles:
@@ -97,9 +160,35 @@ class Roles:
         return spec is not None and spec.fatal
 
     def build(self, section: str, factory: Any, options: Any, *, role: str, index: int = 0) -> Any:
-        """The component of config section ``section`` (``role``: a declared role's name; ``index``: the instance)."""
-        return factory(options)
+        """The component of config section ``section`` (``role``: a declared role's name; ``index``: the instance),
+        handed the instances of the roles that serve it (:meth:`serve`)."""
+        return self.serve(role, factory(options))
+
+    def served_by(self, role: str) -> list[RoleSpec]:
+        """The declared roles whose instances ``role``'s component uses."""
+        return [s for s in self.specs.values() if s.serves == role]
+
+    def serve(self, role: str, component: Any) -> Any:
+        """Build every instance of the roles that serve ``role`` and hand them to ``component``'s
+        ``serve(name, instances)``; returns ``component``."""
+        for spec in self.served_by(role):
+            instances = [self.build_instance(spec, i) for i in range(spec.count)]
+            component.serve(spec.name, instances)
+        return component
+
+    def build_instance(self, spec: RoleSpec, index: int) -> Any:
+        """Instance ``index`` of served role ``spec``: here, in this process, on ``placement.devices[index]``."""
+        return spec.factory(instance_options(spec, index))
 
     async def lost(self) -> None:
         """Raises when a role the run cannot go on without is gone; local roles never are."""
         await asyncio.Event().wait()
+
+
+def instance_options(spec: RoleSpec, index: int) -> Any:
+    """``spec.options`` of instance ``index`` in this process: its ``device`` field set from ``placement.devices``."""
+    options = spec.options
+    device = spec.placement.device(index) if spec.placement is not None else None
+    if device is not None and "device" in getattr(type(options), "model_fields", {}):
+        options = options.model_copy(update={"device": device})
+    return options

@@ -90,3 +90,22 @@ def test_a_reward_without_extras_produces_the_reward_alone_and_bad_declarations_
         with pytest.raises(ValueError) as err:
             reward_features(Plain())
         assert "\n" not in str(err.value) and "Plain.extras" in str(err.value), err.value
+
+
+def test_a_ray_reward_pool_declares_the_extras_of_the_reward_its_actors_host():
+    """Under the ray launcher the reward stage talks to a pool of reward actors: the pool's features carry the
+    hosted reward's declared extras (from the actor's description), so the columns exist under ray too."""
+    pytest.importorskip("ray")
+    from types import SimpleNamespace
+
+    from asyncflow_core.launchers.ray.actors import RewardActor
+    from asyncflow_core.launchers.ray.remote import RemoteRewardPool
+    from asyncflow_plugins.arithmetic import ArithmeticReward, ArithmeticRewardConfig
+
+    desc = RewardActor(ArithmeticReward, ArithmeticRewardConfig()).describe()
+    assert desc["extras"] == ["correct", "formatted"] and desc["needs_text"] is True
+    pool = RemoteRewardPool.__new__(RemoteRewardPool)  # the description as the first actor would answer it
+    pool._desc = SimpleNamespace(get=lambda: desc)
+    assert reward_features(pool).extras == ("correct", "formatted")
+    stage = RewardStage(pool, CharTokenizer("0123456789+-=."), workers=1, timeout_s=5.0)
+    assert stage.produces == (C.REWARD, "reward_extra/correct", "reward_extra/formatted")

@@ -256,7 +256,8 @@ class RewardActor:
         self.reward = factory(options)
 
     def describe(self) -> dict[str, Any]:
-        return {"needs_text": reward_features(self.reward).needs_text, "pid": os.getpid()}
+        features = reward_features(self.reward)
+        return {"needs_text": features.needs_text, "extras": list(features.extras), "pid": os.getpid()}
 
     async def score_many(self, samples: list[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
         """``(True, value)`` or ``(False, "why")`` per sample, like the reward stage's own per-sample loop."""
@@ -277,3 +278,34 @@ class RewardActor:
 
     async def health(self) -> bool:
         return True
+
+
+class RewardModelActor:
+    """Hosts one replica of a reward model (an instance of a served ``reward_model`` role; see
+    :mod:`asyncflow_core.flow.roles`), built by its record's factory: it scores whole batches.
+
+    The reward that uses it runs in the driver and reaches it through a
+    :class:`~.remote.RemoteRewardModel`; the model is loaded here, once per
+    actor, never in the driver or in a reward worker.
+    """
+
+    def __init__(self, factory: Any, options: Any) -> None:
+        self.replica = factory(options)
+
+    def describe(self) -> dict[str, Any]:
+        """Its pid and the device its replica runs on (``str(replica.device)`` once loaded, when it has one)."""
+        device = getattr(self.replica, "device", None)
+        return {"pid": os.getpid(), "device": None if device is None else str(device),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    async def start(self) -> None:
+        await self.replica.start()
+
+    async def score_many(self, samples: list[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
+        return list(await self.replica.score_many(samples, timeout_s))
+
+    async def health(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        await self.replica.shutdown()

@@ -60,7 +60,11 @@ class RayLauncherConfig(BaseModel):
         "torch.distributed group of the trainer and rollout actors on 127.0.0.1 (gloo; NCCL when both have GPUs; one "
         "node only); driver: every bucket through the driver and the configured weight_transport.",
     )
-    reward_workers: int = Field(1, ge=1, description="Reward worker actors; reward batches go to the least busy one.")
+    reward_workers: int = Field(
+        1, ge=1,
+        description="Reward worker actors; reward batches go to the least busy one. A reward whose model is a role of "
+        "its own (`model`, or `combined` with a `model` term) starts none: it runs in the driver and its replicas are "
+        "actors placed by reward.options.placement.")
     reward_cpus: float = Field(0.5, ge=0, description="CPUs reserved per reward worker actor.")
     placement: Literal["separate", "colocated", "none"] = Field(
         "separate",
@@ -79,7 +83,9 @@ class RayLauncherConfig(BaseModel):
         "and killed.",
     )
     max_restarts: int = Field(
-        3, ge=0, description="Times each rollout replica and reward worker is replaced after dying; then it stays dead."
+        3, ge=0,
+        description="Times each rollout replica, reward worker and reward-model replica is replaced after dying; then "
+        "it stays dead."
     )
     start_timeout_s: float = Field(
         300.0, gt=0, description="Wait this long for the placement groups' resources before refusing to start."

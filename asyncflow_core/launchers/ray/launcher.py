@@ -7,6 +7,11 @@ actors behind proxies, and the store on its ray deployment. It places and
 builds each role from its record (:class:`~asyncflow_core.flow.roles.RoleSpec`):
 by the record's ``interface``, never by its name, so a new role with a known
 interface needs no change here.
+
+A reward whose replicas are a role of their own (a ``model`` reward: its
+``reward_model`` role) is built in the driver, thin, and its replicas are
+actors in their own placement group, with the CPUs and GPUs its
+``placement`` asks for: built once for the run, not once per reward worker.
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ from asyncflow_core.flow.roles import RoleSpec, Roles, WeightPolicy
 from asyncflow_core.flow.runtime import FlowRuntime
 from asyncflow_core.flow.stage import RunStopped
 from asyncflow_core.interfaces import Launcher
-from asyncflow_core.launchers.ray.actors import RewardActor, RolloutActor, TrainActor
+from asyncflow_core.launchers.ray.actors import RewardActor, RewardModelActor, RolloutActor, TrainActor
 from asyncflow_core.launchers.ray.config import RayLauncherConfig
-from asyncflow_core.launchers.ray.remote import RemoteRewardPool, RemoteRolloutEngine, RemoteTrainEngine
+from asyncflow_core.launchers.ray.remote import (
+    RemoteRewardModel,
+    RemoteRewardPool,
+    RemoteRolloutEngine,
+    RemoteTrainEngine,
+)
 from asyncflow_core.launchers.ray.watch import RoleLost, WatchedActor
 from asyncflow_core.launchers.ray.weights import RayWeights
 
@@ -43,6 +53,7 @@ log = logging.getLogger("asyncflow.ray")
 _RemoteRollout = ray.remote(RolloutActor)
 _RemoteTrain = ray.remote(TrainActor)
 _RemoteReward = ray.remote(RewardActor)
+_RemoteRewardModel = ray.remote(RewardModelActor)
 
 def start_ray(options: RayLauncherConfig, min_cpus: float = 1) -> bool:
     """Join ``options.address`` or start a loopback-only single-host Ray; True when this call started it.
@@ -112,7 +123,8 @@ class RayRoles(Roles):
         self._fatal_event = asyncio.Event()
         #: (role, index) -> (pool, first bundle in the pool) of each instance (from the declared roles)
         self.slot_of: dict[tuple[str, int], tuple[str, int]] = {}
-        self._builders = {"rollout": self._build_rollout, "train": self._build_train, "reward": self._build_reward}
+        self._builders = {"rollout": self._build_rollout, "train": self._build_train, "reward": self._build_reward,
+                          "reward_model": self._build_reward_model}
 
     @property
     def needs_ref(self) -> bool:
@@ -126,15 +138,23 @@ class RayRoles(Roles):
 
         return trainer_rank_actors(self.options.trainer_ranks, self.resolved.components["trainer"].options)
 
+    def _resources(self, spec: RoleSpec) -> tuple[float, float]:
+        """CPUs and GPUs of one instance's actor: its ``placement`` when it has one, else ``<resources>_cpus`` /
+        ``<resources>_gpus`` from the launcher options."""
+        if spec.placement is not None:
+            return spec.placement.cpus, spec.placement.gpus
+        o = self.options
+        return getattr(o, f"{spec.resources}_cpus", 1.0), getattr(o, f"{spec.resources}_gpus", 0) or 0
+
     def _instance_bundles(self, spec: RoleSpec) -> list[dict[str, float]]:
         """The bundles one instance of ``spec`` reserves: its actor's, then (train) one per rank actor or
-        (reward) one per worker; cpus and gpus from ``<spec.resources>_cpus`` / ``_gpus``."""
+        (reward) one per worker; none for a reward whose replicas are a role of their own (it runs here)."""
         o = self.options
-        own = self._bundle(getattr(o, f"{spec.resources}_cpus", 1.0), getattr(o, f"{spec.resources}_gpus", 0) or 0)
+        own = self._bundle(*self._resources(spec))
         if spec.interface == "train":
             return [own] + [self._bundle(o.trainer_rank_cpus, o.trainer_rank_gpus)] * self._rank_actors()
         if spec.interface == "reward":
-            return [own] * o.reward_workers
+            return [] if self.served_by(spec.name) else [own] * o.reward_workers
         return [own]
 
     def _pools(self) -> dict[str, list[dict[str, float]]]:
@@ -155,10 +175,10 @@ class RayRoles(Roles):
 
     def place(self) -> None:
         """Reserve the bundles of every role pool (placement groups) and wait until they are ready."""
-        o, cfg = self.options, self.resolved.config
+        o = self.options
         if o.placement == "none":
             return
-        pools = self._pools()
+        pools = {pool: bs for pool, bs in self._pools().items() if bs}  # a reward served by its model's role: none
         if o.placement == "colocated":
             bundles, where = [], {}
             for pool, bs in pools.items():
@@ -181,14 +201,23 @@ class RayRoles(Roles):
         if len(done) < len(ready):
             have = ray.cluster_resources()
             self.remove_groups()
-            n_ranks = self._rank_actors()
-            ranks = f" + {n_ranks} rank actors x {o.trainer_rank_cpus:g}" if n_ranks else ""
             raise ConfigError(
                 f"the ray launcher's placement ({o.placement}) needs {need_cpu:g} CPUs and {need_gpu:g} GPUs "
-                f"(rollout {cfg.rollout.replicas} x {o.rollout_cpus:g}, trainer {o.trainer_cpus:g}{ranks}, reward "
-                f"{o.reward_workers} x {o.reward_cpus:g}), the cluster has {have.get('CPU', 0):g} CPUs and "
-                f"{have.get('GPU', 0):g} GPUs; lower launcher.options.*_cpus / *_gpus, raise num_cpus, or add nodes"
+                f"({self._describe_needs()}), the cluster has {have.get('CPU', 0):g} CPUs and "
+                f"{have.get('GPU', 0):g} GPUs; lower launcher.options.*_cpus / *_gpus (a reward model's: "
+                "reward.options.placement), raise num_cpus, or add nodes"
             )
+
+    def _describe_needs(self) -> str:
+        """What each role reserves, e.g. ``rollout 2 x 0.5 CPU, reward_model 1 x 1 CPU + 1 GPU`` (per instance)."""
+        parts = []
+        for spec in self.specs.values():
+            bs = self._instance_bundles(spec)
+            if not bs:
+                continue
+            cpu, gpu = sum(b.get("CPU", 0) for b in bs), sum(b.get("GPU", 0) for b in bs)
+            parts.append(f"{spec.name} {spec.count} x {cpu:g} CPU" + (f" + {gpu:g} GPU" if gpu else ""))
+        return ", ".join(parts)
 
     @staticmethod
     def _bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -255,15 +284,19 @@ class RayRoles(Roles):
         return pool, first + offset
 
     def _build_rollout(self, spec: RoleSpec, factory: Any, options: Any, index: int) -> Any:
+        """A rollout engine actor: a replica that follows the policy's versions, or (a judge) one that keeps its
+        own weights and never joins the weight path."""
         o = self.options
         pool, slot = self._placed(spec, index)
         w = self._watched(f"{spec.name}/{index}", _RemoteRollout,
-                          self._actor_options(pool, slot, getattr(o, f"{spec.resources}_cpus"),
-                                              getattr(o, f"{spec.resources}_gpus", 0)),
-                          factory, options, fatal=spec.fatal)
+                          self._actor_options(pool, slot, *self._resources(spec)), factory, options, fatal=spec.fatal)
+        follows = spec.weights is WeightPolicy.FOLLOWS
         proxy = RemoteRolloutEngine(w, deadline_s=self.deadline_s, max_restarts=o.max_restarts,
-                                    bucket_cache=self.bucket_cache, counters=self.counters, weights=self.weights)
-        self.weights.add_replica(proxy)
+                                    bucket_cache=self.bucket_cache, counters=self.counters,
+                                    weights=self.weights if follows else None,
+                                    restart_counter=_restart_counter(spec))
+        if follows:
+            self.weights.add_replica(proxy)
         return proxy
 
     def _build_train(self, spec: RoleSpec, factory: Any, options: Any, index: int) -> Any:
@@ -289,6 +322,10 @@ class RayRoles(Roles):
         return RemoteTrainEngine(w, deadline_s=self.deadline_s, weights=self.weights if publishes else None)
 
     def _build_reward(self, spec: RoleSpec, factory: Any, options: Any, index: int) -> Any:
+        if self.served_by(spec.name):
+            # its model runs on its own role's actors (built once, below, and handed to it): the reward itself is
+            # thin dispatch, built here in the driver, and no reward worker loads a copy of the model
+            return self.serve(spec.name, factory(options))
         o = self.options
         pool, slot = self._placed(spec, index)
         workers = [self._watched(f"{spec.name}/{i}", _RemoteReward,
@@ -296,6 +333,37 @@ class RayRoles(Roles):
                                  factory, options, fatal=spec.fatal)
                    for i in range(o.reward_workers)]
         return RemoteRewardPool(workers, max_restarts=o.max_restarts, counters=self.counters)
+
+    def build_instance(self, spec: RoleSpec, index: int) -> Any:
+        """Instance ``index`` of a served role (a reward model's replica) as an actor behind its proxy, by the
+        record's ``interface``; with ``placement.gpus`` it runs on its own GPU (``device: cuda``)."""
+        builder = self._builders.get(spec.interface)
+        if builder is None:
+            raise ConfigError(f"the ray launcher cannot place role {spec.name!r}: it knows the interfaces "
+                              f"{sorted(self._builders)}, not {spec.interface!r}")
+        options = spec.options
+        _, gpus = self._resources(spec)
+        device = getattr(options, "device", None)
+        if "device" in getattr(type(options), "model_fields", {}) and (gpus or device == "auto"):
+            # with num_gpus Ray sets the actor's CUDA_VISIBLE_DEVICES (its GPU is cuda:0); without, the actor still
+            # sees the host's GPUs (Ray 2.60 leaves the variable alone), so "auto" must not pick an unreserved one
+            device = "cuda" if gpus else "cpu"
+            options = options.model_copy(update={"device": device})
+        if not gpus and isinstance(device, str) and device.startswith("cuda"):
+            raise ConfigError(f"role {spec.name!r} asks for device {device} but reserves no GPU under the ray "
+                              "launcher; set its placement gpus (reward.options.placement.gpus: 1) or its device "
+                              "to cpu")
+        proxy = builder(spec, spec.factory, options, index)
+        self.proxies.append(proxy)
+        return proxy
+
+    def _build_reward_model(self, spec: RoleSpec, factory: Any, options: Any, index: int) -> Any:
+        o = self.options
+        pool, slot = self._placed(spec, index)
+        w = self._watched(f"{spec.name}/{index}", _RemoteRewardModel,
+                          self._actor_options(pool, slot, *self._resources(spec)), factory, options, fatal=spec.fatal)
+        return RemoteRewardModel(w, max_restarts=o.max_restarts, counters=self.counters,
+                                 start_timeout_s=o.start_timeout_s)
 
     def _component(self, section: str, factory: Any, options: Any) -> Any:
         """A component that is not a role: the ray weight path's transport and the ray store replace the
@@ -361,6 +429,12 @@ class RayLauncher(Launcher):
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
+
+
+def _restart_counter(spec: RoleSpec) -> str:
+    """The counter a replaced actor of ``spec`` adds to: ``rollout_actor_restarts``, or ``reward_model_restarts``
+    for a served role's (a judge's) engines."""
+    return f"{spec.serves}_model_restarts" if spec.serves else f"{spec.resources}_actor_restarts"
 
 
 def _trainer_lost_message(exc: RoleLost, run_dir: Path | None) -> str:

@@ -34,7 +34,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing import Pipe
-from types import SimpleNamespace
 from typing import Any
 
 import ray

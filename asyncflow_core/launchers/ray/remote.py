@@ -97,9 +97,14 @@ class RemoteRolloutEngine(RolloutEngine):
     current weights into it before giving it work.
     """
 
+    #: its engine runs in another process (a dispatcher may start several such replicas at once)
+    out_of_process = True
+
     def __init__(self, watched: WatchedActor, *, deadline_s: float, max_restarts: int,
-                 bucket_cache: dict[int, Any], counters: Counter[str], weights: RayWeights | None = None) -> None:
+                 bucket_cache: dict[int, Any], counters: Counter[str], weights: RayWeights | None = None,
+                 restart_counter: str = "rollout_actor_restarts") -> None:
         self.watched = watched
+        self.restart_counter = restart_counter  #: the counter each replacement adds to (a judge's: its own)
         self.deadline_s = deadline_s
         self.max_restarts = max_restarts
         self.restarts = 0
@@ -128,6 +133,11 @@ class RemoteRolloutEngine(RolloutEngine):
     @property
     def actor(self) -> Any:
         return self.watched.actor
+
+    @property
+    def lost(self) -> RoleLost | None:
+        """Why its actor was declared lost (death, heartbeat), or None while it is taken to be alive."""
+        return self.watched.lost
 
     def configure_adapter(self, spec: Any) -> None:  # type: ignore[override]
         """Kept and handed to the actor's engine in :meth:`start` (before it loads), for this actor and every
@@ -162,7 +172,7 @@ class RemoteRolloutEngine(RolloutEngine):
             raise EngineError(f"{self.watched.role}: no restarts left (launcher.options.max_restarts="
                               f"{self.max_restarts})")
         self.restarts += 1
-        self.counters["rollout_actor_restarts"] += 1
+        self.counters[self.restart_counter] += 1
         self.watched.kill()
         self.watched.spawn()
         self._desc = _Description(self.watched)
@@ -357,8 +367,10 @@ class RemoteRewardPool:
 
     @property
     def features(self) -> RewardFeatures:
-        """Batch scoring always (one round trip per batch); decoded text as the reward behind it asks."""
-        return RewardFeatures(needs_text=self.needs_text, supports_score_many=True)
+        """Batch scoring always (one round trip per batch); decoded text and extra values as the reward behind it
+        declares."""
+        return RewardFeatures(needs_text=self.needs_text, supports_score_many=True,
+                              extras=tuple(self._desc.get().get("extras", ())))
 
     def score(self, sample: RewardInput) -> Any:
         return self._one(sample)
@@ -405,6 +417,91 @@ class RemoteRewardPool:
             w.kill()
 
 
+class RemoteRewardModel:
+    """One reward-model replica in a Ray actor (see :class:`~.actors.RewardModelActor`), as the reward in the
+    driver sees a replica: ``start``, ``score_many``, ``restart``, ``shutdown``.
+
+    Built once per run, in the reward model's own placement group. A call
+    races the actor's death and a deadline like every proxy's: a dead actor
+    fails the batch in flight at once with :class:`RoleLost` (the reward
+    fails those samples with the reason), and the reward's pool then calls
+    :meth:`restart`, which puts a fresh actor in the same bundle (up to
+    ``max_restarts`` times; counted as ``reward_model_restarts``).
+    """
+
+    out_of_process = True
+
+    def __init__(self, watched: WatchedActor, *, max_restarts: int, counters: Counter[str],
+                 start_timeout_s: float) -> None:
+        self.watched = watched
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.counters = counters
+        self.start_timeout_s = start_timeout_s  #: loading a model may take a while (the heartbeat still runs)
+        self._shut = False
+
+    @property
+    def features(self) -> Any:
+        from asyncflow_core.interfaces.features import RolloutFeatures
+
+        return RolloutFeatures(supports_restart=self.max_restarts > 0)
+
+    @property
+    def actor(self) -> Any:
+        return self.watched.actor
+
+    @property
+    def lost(self) -> RoleLost | None:
+        """Why its actor was declared lost (death, heartbeat), or None while it is taken to be alive."""
+        return self.watched.lost
+
+    async def describe(self) -> dict[str, Any]:
+        """The actor's pid (the process that holds the model)."""
+        return await self.watched.call("describe", timeout=self.watched.heartbeat_timeout_s * 5)
+
+    async def start(self) -> None:
+        """Load the model in the actor; an actor lost while loading is replaced (within ``max_restarts``)."""
+        while True:
+            try:
+                await self.watched.call("start", timeout=self.start_timeout_s)
+                return
+            except RoleLost:
+                await self._replace()
+
+    async def score_many(self, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
+        # the replica answers within timeout_s (the reward's own wait); past that and the heartbeat's grace the
+        # actor is hung: RoleTimeout kills it, and the reward restarts it
+        return await self.watched.call("score_many", list(samples), timeout_s,
+                                       timeout=timeout_s + self.watched.heartbeat_timeout_s)
+
+    async def restart(self) -> None:
+        """Replace the actor (dead or not) with a fresh, loaded one; :class:`EngineError` when out of restarts."""
+        await self._replace()
+        await self.start()
+
+    async def _replace(self) -> None:
+        if self.restarts >= self.max_restarts:
+            raise EngineError(f"{self.watched.role}: no restarts left (launcher.options.max_restarts="
+                              f"{self.max_restarts})")
+        self.restarts += 1
+        self.counters["reward_model_restarts"] += 1
+        self.watched.kill()
+        self.watched.spawn()
+
+    async def health(self) -> bool:
+        return await self.watched.call("health", timeout=self.watched.heartbeat_timeout_s)
+
+    async def shutdown(self) -> None:
+        """Release the model inside its actor, then end the actor. Safe to call twice."""
+        if self.watched.lost is None and not self._shut:
+            self._shut = True
+            try:
+                await self.watched.call("shutdown", timeout=30)
+            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
+                log.warning("%s: shutdown: %s", self.watched.role, exc)
+        self.watched.kill()
+
+
 #: RoleLost, RoleTimeout and WatchedActor live in :mod:`.watch`; named here too, where the proxies' callers look
-__all__ = ["POLL_S", "RemoteRewardPool", "RemoteRolloutEngine", "RemoteTrainEngine", "RoleLost", "RoleTimeout",
-           "WatchedActor"]
+__all__ = ["POLL_S", "RemoteRewardModel", "RemoteRewardPool", "RemoteRolloutEngine", "RemoteTrainEngine", "RoleLost",
+           "RoleTimeout", "WatchedActor"]
