@@ -220,6 +220,20 @@ class StalePolicy(str, enum.Enum):
     DROP = "drop"  #: drop it (counted in the metrics)
 
 
+class StalenessBasis(str, enum.Enum):
+    """Which version a row's age counts from (docs/simulation.md, "Tail policies")."""
+
+    OLDEST_TOKEN = "oldest_token"  #: its oldest sampled token's: the exact bound
+    REQUEST_START = "request_start"  #: the version its request started on, kept across resumes (AReaL's definition)
+
+
+class StaleTail(str, enum.Enum):
+    """What a request that falls outside the bound does (with stale_policy: requeue)."""
+
+    RESTART = "restart"  #: starts again from the prompt on new weights; its group is re-queued when complete
+    SETTLE_GROUP = "settle_group"  #: is written at once, stale, so the trainer re-queues its group now
+
+
 _MODE_STALENESS = {AsyncMode.SYNC: 0, AsyncMode.ONE_STEP: 1}
 
 
@@ -239,6 +253,24 @@ class AsyncConfig(StrictModel):
         description="Rollout and training time-share the same devices (rollout engines sleep during each train "
         "step). Default: true for sync, false otherwise; sync with false is task-separated streaming at k=0.",
     )
+    overprovision: float = Field(
+        0.0, ge=0, le=4,
+        description="Over-provisioned admission: start this fraction of a step's prompts more than the bound's "
+        "(k+1) steps; the trainer takes the first complete groups (oldest first) and the rest wait for a later "
+        "step, still under the bound (re-queued if they fall outside it). Needs max_staleness >= 1.",
+    )
+    staleness_basis: StalenessBasis = Field(
+        StalenessBasis.OLDEST_TOKEN,
+        description="What a row's age counts from: oldest_token (its oldest sampled token's version: exact) or "
+        "request_start (the version its request started on, kept across resumes; needs "
+        "algorithm.options.correction: decoupled).",
+    )
+    stale_tail: StaleTail = Field(
+        StaleTail.RESTART,
+        description="A request that falls outside the bound, with stale_policy requeue: restart (from the prompt; "
+        "its group is re-queued once complete) or settle_group (written at once, stale, so its group is re-queued "
+        "now and the row is not generated again for a group that cannot be trained).",
+    )
 
     @model_validator(mode="after")
     def _staleness_matches_mode(self) -> AsyncConfig:
@@ -256,6 +288,10 @@ class AsyncConfig(StrictModel):
             object.__setattr__(self, "colocated", self.mode is AsyncMode.SYNC)
         elif self.colocated and self.mode is not AsyncMode.SYNC:
             raise ValueError("colocated: true time-shares devices, which leaves nothing to overlap; use mode: sync")
+        if self.max_staleness == 0 and (self.overprovision > 0 or self.staleness_basis is not
+                                        StalenessBasis.OLDEST_TOKEN):
+            raise ValueError("overprovision and staleness_basis: request_start need max_staleness >= 1 (at k = 0 a "
+                             "group carried to a later step is always stale); use mode: one_step or async")
         return self
 
     @property

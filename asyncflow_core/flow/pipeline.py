@@ -29,6 +29,7 @@ from asyncflow_core import columns as C
 from asyncflow_core.errors import ConfigError
 from asyncflow_core.flow.rollout_stage import RolloutStage
 from asyncflow_core.flow.stage import PER_RESPONSE_TOKEN, STANDARD_COLUMN_TYPES, Stage
+from asyncflow_core.flow.staleness import TailPolicy
 from asyncflow_core.flow.stages import AdvantageStage, LogprobStage, PromptFeeder, RewardStage, TrainStage
 from asyncflow_core.interfaces import KVCachePolicy
 from asyncflow_core.interfaces.features import algorithm_features
@@ -167,8 +168,9 @@ class PipelinePlan:
                 batch_size=cfg.pipeline.reward_batch, reward_name=cfg.reward.name)
         added = [*self.plugins, *extra_stages]
         stages: list[Stage] = [
+            # over-provisioned prompts are admitted to the end too (those left at the stop count as unfinished)
             PromptFeeder(dataset, tokenizer, epochs=cfg.data.epochs, shuffle=cfg.data.shuffle, seed=cfg.seed,
-                         max_prompts=cfg.trainer.total_steps * B),
+                         max_prompts=cfg.trainer.total_steps * B + TailPolicy.from_config(cfg.async_).extra_prompts(B)),
             rollout, *([reward_stage] if reward_stage is not None else []), *added,
         ]
         names = [st.name for st in stages]

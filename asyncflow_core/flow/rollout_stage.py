@@ -32,7 +32,8 @@ from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re
 from asyncflow_core.flow.rollout_episodes import EpisodeDriving
 from asyncflow_core.flow.rollout_eval import EvalDispatch, EvalSlot, training_inflight
 from asyncflow_core.flow.stage import Stage
-from asyncflow_core.flow.staleness import StalenessGuard
+from asyncflow_core.flow.rollout_tail import TailHandling
+from asyncflow_core.flow.staleness import REQUEST_START, StalenessGuard
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
 from asyncflow_core.flow.weight_follower import WeightFollower
 from asyncflow_core.interfaces import KVCachePolicy, RolloutEngine, WeightTransport
@@ -54,7 +55,7 @@ class _Lease:
 _Req = SingleTurn
 
 
-class RolloutStage(EpisodeDriving, EvalDispatch, Stage):
+class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
     """Dispatches prompt rows to engine replicas, writes completions row by row as they finish.
 
     One dispatcher leases rows (up to the replicas' free slots) and assigns
@@ -231,6 +232,8 @@ class RolloutStage(EpisodeDriving, EvalDispatch, Stage):
             if r is None:
                 break
             req.start_version = self.guard.start_version(r.engine.version, req.held_versions())
+            if req.origin_version is None and self.guard.tail.basis == REQUEST_START and not req.multi_turn:
+                req.origin_version = req.start_version  # its age counts from here, across resumes
             self.pool.assign(r, req.request_id, req)
             per.setdefault(r.index, []).append(req)
             assigned += 1
@@ -335,8 +338,8 @@ class RolloutStage(EpisodeDriving, EvalDispatch, Stage):
             if ctx.stop.is_set():
                 return
             self._resubmit(r, req, res)
-        elif self.guard.unusable(req.oldest_with(res)):  # an episode: its oldest token over every turn
-            self._stale(req)
+        elif self._unusable(req, res):  # an episode: its oldest token over every turn
+            self._stale(req, res)
         elif req.multi_turn:
             req.take_turn(res)
             self._in_env += 1

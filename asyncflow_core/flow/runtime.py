@@ -41,6 +41,7 @@ from asyncflow_core.flow.roles import RoleSpec, Roles, run_roles
 from asyncflow_core.flow.run_eval import attach_eval, finish_evals
 from asyncflow_core.flow.run_report import StepLogger, run_summary, scalar_sinks, steady_rate, write_run_files
 from asyncflow_core.flow.stage import FlowContext, RunStopped, Stage
+from asyncflow_core.flow.staleness import TailPolicy, check_tail_policy
 from asyncflow_core.flow.stages import RolloutStage
 from asyncflow_core.flow.supervision import supervise, teardown
 from asyncflow_core.flow.telemetry import MetricsWriter, Timeline
@@ -107,6 +108,9 @@ class FlowRuntime:
             cfg = self.config
             algorithm = self._create("algorithm")
             check_off_policy(cfg.async_.k, algorithm)
+            wrong = check_tail_policy(TailPolicy.from_config(cfg.async_), cfg.async_.k, algorithm.correction)
+            if wrong is not None:
+                raise ConfigError(wrong)
             reward_stage = self._plugin_stage("pipeline.replace.reward") if "reward" in cfg.pipeline.replace else None
             plugins = [self._plugin_stage(f"pipeline.stages[{i}]") for i in range(len(cfg.pipeline.stages))]
             self._plan = PipelinePlan(cfg, algorithm, plugins, reward_stage)
@@ -233,11 +237,13 @@ class FlowRuntime:
             raise ConfigError("trainer.checkpoint_every needs a run directory to write checkpoints into")
         resume_from = latest_checkpoint(self.run_dir) if self.resume else None
         store_opts = self.resolved.components["store"].options
-        need_rows = (k + 2) * B * n
+        tail = TailPolicy.from_config(cfg.async_)
+        need_rows = (k + 2) * B * n + tail.extra_rows(B, n)
         if getattr(store_opts, "capacity", need_rows) < need_rows:
+            extra = " (+ async.overprovision x prompts_per_step x n)" if tail.overprovision else ""
             raise ConfigError(
                 f"store.options.capacity={store_opts.capacity} cannot hold the {need_rows} rows that "
-                f"(max_staleness + 2) x prompts_per_step x n may keep live; raise it to at least {need_rows}"
+                f"(max_staleness + 2) x prompts_per_step x n{extra} may keep live; raise it to at least {need_rows}"
             )
 
         dataset = self._create("data")
@@ -277,7 +283,7 @@ class FlowRuntime:
 
         timeline = Timeline(clock)
         ctx = FlowContext(store=store, timeline=timeline, ledger=Ledger(), k=k, prompts_per_step=B, n=n, clock=clock,
-                          stale_policy=cfg.async_.stale_policy.value,
+                          stale_policy=cfg.async_.stale_policy.value, tail=tail,
                           max_failure_rate=cfg.pipeline.max_failure_rate, lease_s=cfg.pipeline.lease_s,
                           counters=self.roles.counters)  # one set of counters: the launcher's events land there too
         self.ctx = ctx  #: the live run's shared state (version, ledger, counters), for launchers and tests

@@ -46,6 +46,9 @@ class SingleTurn:
     prefix_lps: tuple[float, ...] = ()
     prefix_versions: tuple[int, ...] = ()
     start_version: int = 0  #: oldest version its tokens can have (replica version at submission, or the prefix's)
+    #: version of the weights its current attempt first started on (kept across resumes, reset when its tokens are
+    #: thrown away); what its age counts from under ``async.staleness_basis: request_start``
+    origin_version: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -75,6 +78,7 @@ class SingleTurn:
     def retry_turn(self) -> None:
         """Start the current turn again without its partial tokens, as a new request."""
         self.prefix_ids, self.prefix_lps, self.prefix_versions = (), (), ()
+        self.origin_version = None
         self.attempt += 1
 
     def restart(self) -> None:

@@ -30,6 +30,7 @@ from asyncflow_core.errors import AsyncflowError
 from asyncflow_core.flow.events import Events, VersionPublished
 from asyncflow_core.flow.ledger import Ledger
 from asyncflow_core.flow.outcomes import RowOutcomes, merge_outputs
+from asyncflow_core.flow.staleness import TailPolicy
 from asyncflow_core.flow.telemetry import Timeline
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
 from asyncflow_core.types import Batch, Column, RaggedTensor
@@ -61,6 +62,7 @@ class FlowContext:
     n: int  #: samples per prompt
     clock: Callable[[], float]
     stale_policy: str = "requeue"  #: requeue | drop
+    tail: TailPolicy = field(default_factory=TailPolicy)  #: over-provisioning, staleness basis, stale tails
     max_failure_rate: float = 0.2
     lease_s: float | None = None  #: lease on rows a stage holds when the stage sets none (None: the store's default)
     min_samples_for_rate: int = 32

@@ -108,7 +108,8 @@ class PromptFeeder(Stage):
 
     def _limit(self) -> int:
         ctx = self.ctx
-        limit = S.admission_limit(ctx.version, ctx.k, ctx.prompts_per_step)
+        limit = S.admission_limit(ctx.version, ctx.k, ctx.prompts_per_step,
+                                  ctx.tail.extra_prompts(ctx.prompts_per_step))
         return limit if self.max_prompts is None else min(limit, self.max_prompts)
 
     async def _put(self, groups: list) -> None:

@@ -17,22 +17,94 @@ is the oldest policy version among its generated tokens. With bound ``k``:
   replica had when it was submitted) is older than ``v - k`` can no longer
   be used and is aborted and re-queued.
 
+:class:`TailPolicy` holds the declared options for long tails (``async.overprovision``,
+``async.staleness_basis``, ``async.stale_tail``; docs/simulation.md, "Tail policies"):
+extra prompts admitted beyond the formula above, which version a row's age counts
+from, and what a request that fell out of the bound does. Whatever they say, the
+rule above is checked on every trained row against the row's declared version.
+
 :class:`StalenessGuard` applies the last two to live engines for the rollout stage.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+#: a row's age counts from its oldest sampled token's version (the exact bound, the default)
+OLDEST_TOKEN = "oldest_token"
+#: a row's age counts from the version of the weights its request started on (kept across resumes)
+REQUEST_START = "request_start"
+#: a request that fell out of the bound starts again from the prompt (its group waits for it)
+RESTART = "restart"
+#: a request that fell out of the bound is written at once as it is (stale), so its group settles now
+SETTLE_GROUP = "settle_group"
 
-def admission_limit(version: int, k: int, prompts_per_step: int) -> int:
-    """Most prompts (net of dropped ones) that may have been started while the trainer is at ``version``."""
-    if version < 0 or k < 0 or prompts_per_step < 1:
-        raise ValueError(f"need version >= 0, k >= 0, prompts_per_step >= 1; got {version}, {k}, {prompts_per_step}")
-    return (k + version + 1) * prompts_per_step
+
+def admission_limit(version: int, k: int, prompts_per_step: int, extra: int = 0) -> int:
+    """Most prompts (net of dropped ones) that may have been started while the trainer is at ``version``;
+    ``extra``: prompts admitted beyond the bound's ``k + 1`` steps (over-provisioned admission)."""
+    if version < 0 or k < 0 or prompts_per_step < 1 or extra < 0:
+        raise ValueError(f"need version >= 0, k >= 0, prompts_per_step >= 1, extra >= 0; got {version}, {k}, "
+                         f"{prompts_per_step}, {extra}")
+    return (k + version + 1) * prompts_per_step + extra
+
+
+@dataclass(frozen=True)
+class TailPolicy:
+    """The declared options for long tails (the ``async`` section's ``overprovision``, ``staleness_basis`` and
+    ``stale_tail``). The default is the exact bound with nothing extra."""
+
+    overprovision: float = 0.0  #: extra prompts admitted, as a fraction of a step's prompts
+    basis: str = OLDEST_TOKEN  #: :data:`OLDEST_TOKEN` or :data:`REQUEST_START`
+    stale_tail: str = RESTART  #: :data:`RESTART` or :data:`SETTLE_GROUP`
+
+    def __post_init__(self) -> None:
+        if self.overprovision < 0 or self.basis not in (OLDEST_TOKEN, REQUEST_START) or \
+                self.stale_tail not in (RESTART, SETTLE_GROUP):
+            raise ValueError(f"bad tail policy {self}")
+
+    @classmethod
+    def from_config(cls, async_cfg: Any) -> TailPolicy:
+        """The policy an ``async`` config section declares."""
+        return cls(float(async_cfg.overprovision), str(getattr(async_cfg.staleness_basis, "value",
+                                                                   async_cfg.staleness_basis)),
+                   str(getattr(async_cfg.stale_tail, "value", async_cfg.stale_tail)))
+
+    def extra_prompts(self, prompts_per_step: int) -> int:
+        """Prompts admitted beyond the bound's ``(k + v + 1) x B``."""
+        return math.ceil(self.overprovision * prompts_per_step)
+
+    def extra_rows(self, prompts_per_step: int, n: int) -> int:
+        """Store rows the extra prompts may keep live."""
+        return self.extra_prompts(prompts_per_step) * n
+
+
+def tail_policy(run: Any) -> TailPolicy:
+    """The tail policy of ``run`` (a :class:`~asyncflow_core.flow.stage.FlowContext`; anything without a ``tail``
+    attribute, such as a test's stand-in, has the default)."""
+    return getattr(run, "tail", None) or TailPolicy()
+
+
+def check_tail_policy(tail: TailPolicy, k: int, correction: Any) -> str | None:
+    """What is wrong with ``tail`` for bound ``k`` and the algorithm's off-policy ``correction`` (None: nothing).
+
+    Counting a row's age from its request's start (:data:`REQUEST_START`) trains rows whose tokens come from
+    several versions; the loss must then anchor its clip on the trainer's own proximal log-probs and weight each
+    token by its behaviour log-prob (decoupled PPO), which truncated IS against one behaviour policy does not.
+    """
+    if tail.basis == REQUEST_START and str(getattr(correction, "value", correction)) != "decoupled":
+        return ("async.staleness_basis: request_start trains rows whose tokens come from several policy versions; "
+                "set algorithm.options.correction: decoupled (clip against the trainer's proximal log-probs, "
+                "per-token IS against the behaviour log-probs), or use staleness_basis: oldest_token")
+    if k == 0 and (tail.overprovision > 0 or tail.basis == REQUEST_START):
+        return ("async.overprovision and async.staleness_basis: request_start need max_staleness >= 1 (at k = 0 a "
+                "group carried to the next step is always stale); use mode: one_step or async")
+    return None
 
 
 def is_fresh(step_version: int, min_version: torch.Tensor | int, k: int) -> torch.Tensor | bool:
@@ -82,6 +154,7 @@ class StalenessGuard:
 
     def __init__(self, run: Any) -> None:
         self.run = run
+        self.tail = tail_policy(run)
 
     def may_start(self, engine_version: int) -> bool:
         """Whether a replica on ``engine_version`` weights may start a request now (:func:`engine_may_start`)."""
@@ -98,8 +171,17 @@ class StalenessGuard:
         resuming from tokens of ``prefix_versions``."""
         return min(engine_version, min(prefix_versions, default=engine_version))
 
+    def counted_version(self, oldest_token_version: int | None, origin_version: int | None) -> int | None:
+        """The version a row's age counts from: its oldest token's, or under :data:`REQUEST_START` the version its
+        request started on when that is older (None: no tokens and no start)."""
+        if self.tail.basis != REQUEST_START or origin_version is None:
+            return oldest_token_version
+        return origin_version if oldest_token_version is None else min(origin_version, oldest_token_version)
+
     def to_abort(self, inflight: Mapping[str, Any], version: int | None = None) -> list[str]:
         """Request ids of ``inflight`` (id -> request with a ``start_version``) that are unusable at ``version``
         (default: the trainer's current one)."""
         v = self.run.version if version is None else version
-        return [rid for rid, q in inflight.items() if must_abort(q.start_version, v, self.run.k)]
+        return [rid for rid, q in inflight.items()
+                if must_abort(self.counted_version(q.start_version, getattr(q, "origin_version", None)), v,
+                              self.run.k)]

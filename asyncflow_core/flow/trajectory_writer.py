@@ -93,7 +93,7 @@ class TrajectoryWriter:
         """:data:`ROLLOUT_OUT` of single-turn results (packed without a per-token Python loop)."""
         ctx = self.ctx
         ids, lps, vers, lengths, vrange, cut = [], [], [], [], [], []
-        for _, res in items:
+        for q, res in items:
             cut.append(res is not None and res.finish_reason is FinishReason.LENGTH)
             if res is None:
                 ids.append(torch.empty(0, dtype=torch.int64))
@@ -110,6 +110,9 @@ class TrajectoryWriter:
             vers.append(v if ids[-1].dim() == 1 else v.new_empty((v.shape[0], *ids[-1].shape[1:])))
             lengths.append(len(res.token_ids))
             lo = res.min_version if res.min_version is not None else ctx.version
+            origin = getattr(q, "origin_version", None)  # set under staleness_basis: request_start
+            if origin is not None:
+                lo = min(lo, origin)  # the row's age counts from its request's start
             hi = res.max_version if res.max_version is not None else ctx.version
             vrange.append((lo, hi))
         lens = torch.tensor(lengths, dtype=torch.int64)
