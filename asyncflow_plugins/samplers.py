@@ -77,6 +77,11 @@ class GroupSampler(Sampler):
     def __init__(self, config: GroupSamplerConfig | None = None) -> None:
         self.group_size = (config or GroupSamplerConfig()).group_size
 
+    def whole_group_size(self, store_group_size: int) -> int:
+        """Rows per group this sampler hands out (0: not known yet). The in-process store reads it to wake a
+        waiting lease only when a write may have completed a group, instead of on every write."""
+        return self.group_size or store_group_size
+
     def sample(self, candidates: Candidates, request: SampleRequest) -> torch.Tensor:
         gs = self.group_size or candidates.group_size
         if gs <= 0:

@@ -3,7 +3,7 @@
 Usage: python benchmarks/sim_scaling.py [--devices 32,128,512,1024] [--modes sync,stream,one_step,async2,async4]
                                         [--steps 4] [--samples-per-device 16]
                                         [--max-new-tokens 8192] [--payload lengths|tokens]
-                                        [--workers 1] [--json]
+                                        [--set KEY=VALUE ...] [--workers 1] [--json]
 
 Every run is the real flow runtime and the real in-process store driving the
 ``sim`` engines (docs/simulation.md) on the virtual-clock loop.
@@ -46,6 +46,10 @@ update could reach if it hid the shorter phase and changed nothing else.
 workload allows and the remaining gap to ``ideal`` is the rollout tail.
 
 ``--max-new-tokens`` changes the response cap (the tail) for every mode.
+``--set KEY=VALUE`` (repeatable; dotted config keys, YAML values) changes
+the config of every mode but ``sync`` (the baseline stays as it is), e.g.
+``--set async.overprovision=1.0`` for a tail policy (docs/simulation.md,
+"Tail policies").
 ``--payload`` picks what the sim rollout engines return: ``lengths`` (the
 default: zero-width token ids and log-probs, the same schedule) or
 ``tokens`` (full token tensors through the store). ``--workers`` runs that
@@ -57,6 +61,7 @@ other jobs, where wall time depends on the load).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import resource
@@ -125,8 +130,21 @@ def ideal_samples_per_s(devices: int, samples: int, max_new: int = MAX_NEW) -> f
     return samples / best_split(devices, samples, saturated=True, max_new=max_new)[2]
 
 
+def _set(data: dict[str, Any], sets: tuple[str, ...]) -> None:
+    """Apply ``KEY=VALUE`` settings (dotted keys, YAML values) to a config dict."""
+    import yaml
+
+    for item in sets:
+        key, _, value = item.partition("=")
+        *path, last = key.split(".")
+        node = data
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+
+
 def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW,
-           payload: str = "lengths") -> RunConfig:
+           payload: str = "lengths", sets: tuple[str, ...] = ()) -> RunConfig:
     async_mode, k = MODES[mode]
     samples = samples_per_device * devices
     prompts = samples // N
@@ -151,6 +169,10 @@ def config(devices: int, mode: str, steps: int, samples_per_device: int, max_new
                   **({"max_staleness": k} if async_mode == "async" else {})},
         "logging": {"level": "WARNING"},
     }
+    if mode != "sync":
+        _set(data, sets)
+        extra = math.ceil(float(data["async"].get("overprovision", 0)))  # over-provisioned prompts stay live too
+        data["store"]["options"]["capacity"] = max(65536, (k + 3 + extra) * samples)
     return RunConfig.model_validate(data)
 
 
@@ -173,11 +195,18 @@ def measured_rate(step_end_s: list[float], warm: int, samples_per_step: int) -> 
     return measured * samples_per_step / (step_end_s[-1] - step_end_s[warm - 1])
 
 
+def schedule_digest(summary: dict[str, Any]) -> str:
+    """A hash of everything a run decided (step end times, staleness histogram, ledger, counters, utilisation...):
+    the whole summary but its wall time. Two trees that give one digest on one config gave the same schedule."""
+    kept = {k: v for k, v in summary.items() if k != "wall_seconds"}
+    return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_new: int = MAX_NEW,
-            payload: str = "lengths") -> dict[str, Any]:
+            payload: str = "lengths", sets: tuple[str, ...] = ()) -> dict[str, Any]:
     """One mode at one size: ``steps`` measured steps after the mode's warm-up steps."""
     warm = warmup_steps(mode)
-    cfg = config(devices, mode, warm + steps, samples_per_device, max_new, payload)
+    cfg = config(devices, mode, warm + steps, samples_per_device, max_new, payload, sets)
     t0, c0 = time.perf_counter(), cpu_seconds()
     s = run_flow(resolve(cfg), virtual=True, write_png=False)
     wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
@@ -203,7 +232,11 @@ def run_one(devices: int, mode: str, steps: int, samples_per_device: int, max_ne
         "train_busy_s_per_step": util.get("train", 0.0) * s["run_seconds"] / s["steps"],
         "wall_s": wall,
         "cpu_s": cpu,
+        "schedule_digest": schedule_digest(s),
         "payload": payload,
+        "set": list(sets) if mode != "sync" else [],
+        "counters": s["counters"],
+        "mean_trained_response_tokens": s["tokens_trained"] / max(1, s["samples_trained"]) - PROMPT_TOKENS,
     }
 
 
@@ -240,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=MAX_NEW, help="response cap (default: %(default)s)")
     p.add_argument("--payload", choices=("lengths", "tokens"), default="lengths",
                    help="what the sim rollout engines return (default: %(default)s)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config setting for every mode but sync (dotted key, YAML value; repeatable)")
     p.add_argument("--workers", type=int, default=1, help="simulations at once, one process each")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--jsonl", type=Path, default=None,
@@ -257,7 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         if devices < 16 or devices % 8:
             p.error(f"--devices {devices}: use multiples of 8, at least 16 (the trainer takes whole 8-device nodes)")
     t0 = time.perf_counter()
-    jobs = [(d, m, a.steps, a.samples_per_device, a.max_new_tokens, a.payload) for d in sizes for m in modes]
+    bad = [s for s in a.set if "=" not in s]
+    if bad:
+        p.error(f"--set {bad[0]}: use KEY=VALUE, e.g. --set async.overprovision=1.0")
+    jobs = [(d, m, a.steps, a.samples_per_device, a.max_new_tokens, a.payload, tuple(a.set))
+            for d in sizes for m in modes]
     if a.workers > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor

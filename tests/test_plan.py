@@ -143,3 +143,13 @@ def test_asyncflow_sim_runs_lengths_only_unless_told(tmp_path, capsys):
         saved = yaml.safe_load((run_dir / "config.yaml").read_text())
         assert saved["rollout"]["options"]["payload"] == payload
     capsys.readouterr()
+
+
+def test_simulations_start_longest_first_and_rows_come_back_in_the_order_asked():
+    from asyncflow_core.cli.plan import longest_first
+
+    cands = [Candidate(0, True, 32, 32, 1), Candidate(2, False, 8, 24, 1), Candidate(2, False, 8, 24, 8),
+             Candidate(1, False, 16, 16, 1), Candidate(2, False, 8, 24, 1)]
+    order = longest_first(cands, 3)
+    assert order == [cands[1], cands[2], cands[3], cands[0]]  # k = 2 (6 steps) first, 24 replicas before 3
+    assert len(order) == len(set(order))  # a candidate asked twice is simulated once

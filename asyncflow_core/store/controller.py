@@ -24,6 +24,8 @@ Public methods (stable):
 - ``expire(now) -> tuple[list[int], float | None]``  (expired lease ids, next deadline)
 - ``next_deadline() -> float | None``
 - ``any_ready(row_ids, columns) -> bool``  (after a write: can a blocked lease of ``columns`` now succeed?)
+- ``whole_group_size(sampler) -> int`` / ``may_complete_group(row_ids, columns, task, group_size) -> bool``
+  (the same question for a sampler that hands out whole groups only: did the write complete a group?)
 - ``declare_dead(consumer) -> int``
 - ``end_stream(partition=None)`` / ``stream_ended(partition=None) -> bool``
 - ``gc(row_ids=None) -> Tensor``  (dropped row ids, for storage to free)
@@ -206,6 +208,7 @@ class Controller:
         self._slots_memo: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self._slots_gen = getattr(self, "_slots_gen", 0) + 1
         self._tasks: dict[str, _Task] = {}
+        self._produced_cache: frozenset[str] | None = None  #: every registered task's produces; None: stale
         self._columns: dict[str, int] = {}
         self._partitions: dict[str, int] = {}
         self._ended: set[str] = set()
@@ -214,6 +217,10 @@ class Controller:
         self._deadlines: list[tuple[float, int]] = []  #: heap of (deadline, lease id); stale entries skipped lazily
         self._finished: collections.OrderedDict[int, str] = collections.OrderedDict()
         self._dp_rounds: dict[tuple, list[_DPRound]] = {}
+        #: group id -> (first, last) row id put with it: where a group's rows lie, for ``may_complete_group``
+        #: (a group's rows are usually put together, so the span is the group; entries whose last row was
+        #: collected are pruned at compaction)
+        self._group_span: dict[int, tuple[int, int]] = {}
         self._next_row_id = 0
         self._next_lease_id = 1
         self._live = 0
@@ -304,6 +311,7 @@ class Controller:
             if not isinstance(c, str) or not c:
                 raise InvalidRequestError(f"column names must be non-empty strings, got {c!r} for task {task!r}")
         existing = self._tasks.get(task)
+        self._produced_cache = None
         if existing is not None:
             if partition is not None and existing.partition != partition:
                 scope = "every partition" if existing.partition is None else f"partition {existing.partition!r}"
@@ -346,10 +354,10 @@ class Controller:
             )
         return t.partition
 
-    def _produced(self) -> set[str]:
-        out: set[str] = set()
-        for t in self._tasks.values():
-            out.update(t.produces)
+    def _produced(self) -> frozenset[str]:
+        out = self._produced_cache
+        if out is None:  # asked on every lease attempt; changes only when a task is registered
+            out = self._produced_cache = frozenset(c for t in self._tasks.values() for c in t.produces)
         return out
 
     # ------------------------------------------------------------------ rows
@@ -404,12 +412,28 @@ class Controller:
             lo[s] = 0
         for (_, needs), elig in self._eligible_cache.items():
             elig[s] = not needs  # free and alive; ready only when no column is needed
+        if groups is not None:
+            self._note_group_spans(ids, groups)
         self._n += n
         self._next_row_id += n
         self._slots_gen += 1
         self._live += n
         self._counters["rows_put"] += n
         return ids
+
+    def _note_group_spans(self, ids: torch.Tensor, groups: torch.Tensor) -> None:
+        valid = groups >= 0
+        if not bool(valid.any()):
+            return
+        g, r = groups[valid], ids[valid]
+        uniq, inv = torch.unique(g, return_inverse=True)
+        lo = torch.full((uniq.numel(),), torch.iinfo(torch.int64).max, dtype=torch.int64)
+        lo = lo.scatter_reduce(0, inv, r, reduce="amin")
+        hi = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce(0, inv, r, reduce="amax")
+        spans = self._group_span
+        for gid, a, b in zip(uniq.tolist(), lo.tolist(), hi.tolist(), strict=True):
+            old = spans.get(gid)
+            spans[gid] = (a, b) if old is None else (min(old[0], a), max(old[1], b))
 
     def _slots(self, row_ids: torch.Tensor, *, missing: str = "raise") -> torch.Tensor:
         """Slots of live ``row_ids``; ``missing="drop"`` silently skips dead or unknown ids."""
@@ -469,9 +493,11 @@ class Controller:
             tok = _as_ids(num_tokens)
             if tok.numel() != n:
                 raise InvalidRequestError(f"num_tokens has {tok.numel()} entries for {n} rows")
-        for w, mask in self._need_masks(columns):
+        written = self._need_masks(columns)
+        for w, mask in written:
             self._ready[slots, w] |= mask
-        self._refresh_eligible(slots)
+        # readiness of other columns is unchanged, so a kept mask that needs none of these stays as it is
+        self._refresh_eligible(slots, touching=dict(written))
         if v is not None:
             cur_min, cur_max = self._minv[slots], self._maxv[slots]
             self._minv[slots] = torch.where(cur_min < 0, v[:, 0], torch.minimum(cur_min, v[:, 0]))
@@ -492,6 +518,54 @@ class Controller:
         for w, need in self._need_masks(columns):
             ok &= (self._ready[slots, w] & need) == need
         return bool(ok.any())
+
+    def whole_group_size(self, sampler: str | Sampler | None = None) -> int:
+        """Rows per group when ``sampler`` hands out whole prompt groups only (it has a
+        ``whole_group_size(store_group_size)`` method, like the built-in ``group`` sampler), else 0."""
+        _, smp = self._sampler(sampler)
+        size = getattr(smp, "whole_group_size", None)
+        return max(0, int(size(self._group_size))) if callable(size) else 0
+
+    def may_complete_group(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str], task: str,
+                           group_size: int) -> bool:
+        """After a write to ``row_ids``: can a blocked lease of ``task`` for ``columns``, by a sampler that hands
+        out whole groups of ``group_size`` rows, now succeed?
+
+        A write changes only its own rows' readiness, so a lease that found no complete group before can find
+        one now only in a group of a written row: False when no such group has ``group_size`` rows free for the
+        task, alive and ready (version and partition filters are ignored: they only shrink the set). Once a
+        stream ended (a remainder may be handed out) or whenever a group's rows are not found cheaply, this is
+        :meth:`any_ready`. Deployments use it to wake a waiting group lease (GRPO's advantage and train stages)
+        once per completed group instead of on every reward write.
+        """
+        t = self._tasks.get(task)
+        if t is None or group_size <= 0 or self._ended_all or self._ended:
+            return self.any_ready(row_ids, columns)
+        slots = self._slots(row_ids, missing="drop")
+        if slots.numel() == 0:
+            return False
+        elig = self._eligible_mask(t.index, tuple(self._need_masks(columns)))
+        fresh = slots[elig.index_select(0, slots)]
+        if fresh.numel() == 0:
+            return False
+        groups = torch.unique(self._group.index_select(0, fresh))
+        groups = groups[groups >= 0]
+        if groups.numel() == 0:
+            return False  # ungrouped rows: a whole-group sampler never hands them out
+        spans = [self._group_span.get(g) for g in groups.tolist()]
+        if any(span is None for span in spans):
+            return True
+        known = self._row_id[: self._n]
+        first = torch.searchsorted(known, torch.tensor([a for a, _ in spans], dtype=torch.int64))
+        lens = torch.searchsorted(known, torch.tensor([b for _, b in spans], dtype=torch.int64), right=True) - first
+        total = int(lens.sum())
+        if total > 4 * group_size * groups.numel() + 1024:
+            return True  # a group spread over many rows (re-used ids): not worth the scan
+        seg = torch.repeat_interleave(torch.arange(groups.numel()), lens)
+        idx = torch.arange(total) - (torch.cumsum(lens, 0) - lens)[seg] + first[seg]
+        hit = elig.index_select(0, idx) & (self._group.index_select(0, idx) == groups[seg])
+        counts = torch.zeros(groups.numel(), dtype=torch.int64).index_add_(0, seg, hit.to(torch.int64))
+        return bool((counts >= group_size).any())
 
     # ------------------------------------------------------------------ leasing
 
@@ -593,15 +667,24 @@ class Controller:
             self._eligible_cache[key] = elig
         return elig
 
-    def _refresh_eligible(self, slots: torch.Tensor, task_index: int | None = None) -> None:
-        """Recompute the cached eligibility of ``slots`` (for one task's entries, or all) after a change."""
+    def _refresh_eligible(self, slots: torch.Tensor, task_index: int | None = None,
+                          touching: dict[int, int] | None = None) -> None:
+        """Recompute the cached eligibility of ``slots`` (for one task's entries, or all) after a change;
+        ``touching`` (word -> bits): only the entries that need one of these ready bits."""
         if slots.numel() == 0:
             return
         for (ti, needs), elig in self._eligible_cache.items():
-            if task_index is None or ti == task_index:
-                elig[slots] = self._eligible_now(ti, needs, slots)
+            if task_index is not None and ti != task_index:
+                continue
+            if touching is not None and not any(touching.get(w, 0) & need for w, need in needs):
+                continue
+            elig[slots] = self._eligible_now(ti, needs, slots)
 
     def _candidates(self, slots: torch.Tensor) -> Candidates:
+        if slots.numel() == 0:  # most attempts of a waiting stage: nothing to gather
+            empty = torch.empty(0, dtype=torch.int64)
+            return Candidates(row_ids=empty, group_ids=empty, num_tokens=empty, min_version=empty,
+                              group_ready=empty, group_size=self._group_size)
         # index_select, not advanced indexing: several times faster on 10^6-row gathers
         groups = self._group.index_select(0, slots)
         n = groups.numel()
@@ -743,9 +826,10 @@ class Controller:
         for r in range(dp_size):
             pos = torch.as_tensor(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size)), dtype=torch.int64)
             parts.append(pos.reshape(-1))
-        allpos = torch.cat(parts)
+        allpos = torch.cat(parts) if dp_size > 1 else parts[0]
         if allpos.numel():
-            if int(allpos.min()) < 0 or int(allpos.max()) >= len(cands):
+            lo, hi = torch.aminmax(allpos)
+            if int(lo) < 0 or int(hi) >= len(cands):
                 raise InvalidRequestError(f"sampler {type(smp).__name__} returned positions outside the candidates")
             if has_repeats(allpos):
                 raise InvalidRequestError(
@@ -1028,6 +1112,8 @@ class Controller:
         self._alive[k:n] = False
         self._n = k
         self._dead = 0
+        oldest = int(self._row_id[0]) if k else self._next_row_id
+        self._group_span = {g: span for g, span in self._group_span.items() if span[1] >= oldest}
         self._eligible_cache.clear()  # slots moved
         self._slots_gen += 1
 
@@ -1091,6 +1177,8 @@ class Controller:
         for name, st in state["task_state"].items():
             self._state[self._tasks[name].index][:k] = st
         self._n = self._live = k
+        if k:
+            self._note_group_spans(self._row_id[:k], self._group[:k])
         self._eligible_cache.clear()
         self._slots_gen += 1
         self._ended = set(state["ended"])

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from asyncflow_core.interfaces.features import StoreFeatures
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
@@ -71,41 +71,48 @@ class _Waiters:
     the waiters it can unblock — one of their events, or a write after which
     some written row has every column they need — so a store with many
     streaming stages does not retry every blocked lease on every write (each
-    retry scans the rows). ``None`` (wait or wake) means everything.
+    retry scans the rows). ``None`` (wait or wake) means everything. A lease
+    whose sampler hands out whole groups only names a ``gate`` (its task and
+    the group size): a write wakes it only when it may have completed a group
+    (``Controller.may_complete_group``), not on every write to a group's rows.
     """
 
     def __init__(self) -> None:
         self._items: list[tuple[asyncio.AbstractEventLoop, asyncio.Future, frozenset[str] | None,
-                                frozenset[str]]] = []
+                                frozenset[str], tuple[str, int] | None]] = []
 
-    def add(self, events: frozenset[str] | None = None, columns: frozenset[str] = frozenset()) -> asyncio.Future:
+    def add(self, events: frozenset[str] | None = None, columns: frozenset[str] = frozenset(),
+            gate: tuple[str, int] | None = None) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._items.append((loop, fut, events, columns))
+        self._items.append((loop, fut, events, columns, gate))
         return fut
 
     def discard(self, fut: asyncio.Future) -> None:
         self._items = [item for item in self._items if item[1] is not fut]
 
     def wake(self, events: Collection[str] | None,
-             written: tuple[Collection[str], Callable[[frozenset[str]], bool]] | None = None) -> None:
+             written: tuple[Collection[str], Callable[[frozenset[str], tuple[str, int] | None], bool]] | None = None
+             ) -> None:
         """Wake the waiters for any of ``events`` (every waiter when None) and, with ``written`` = (the columns
-        a put wrote, whether a written row now has all of a set of columns), the leases it satisfies."""
+        a put wrote, whether a lease of a set of columns, behind a gate, can now succeed), the leases it
+        satisfies."""
         if events is None:
             self.wake_all()
             return
-        answers: dict[frozenset[str], bool] = {}
+        answers: dict[tuple[frozenset[str], tuple[str, int] | None], bool] = {}
 
-        def satisfied(columns: frozenset[str]) -> bool:
+        def satisfied(columns: frozenset[str], gate: tuple[str, int] | None) -> bool:
             if written is None or columns.isdisjoint(written[0]):
                 return False
-            if columns not in answers:
-                answers[columns] = written[1](columns)
-            return answers[columns]
+            key = (columns, gate)
+            if key not in answers:
+                answers[key] = written[1](columns, gate)
+            return answers[key]
 
         woken, kept = [], []
         for item in self._items:
-            hit = item[2] is None or not item[2].isdisjoint(events) or satisfied(item[3])
+            hit = item[2] is None or not item[2].isdisjoint(events) or satisfied(item[3], item[4])
             (woken if hit else kept).append(item)
         self._items = kept
         _resolve_all(woken, None)
@@ -202,7 +209,12 @@ class InProcessStore(StreamStore):
         if not columns or not isinstance(meta, BatchMeta):
             return None
         ids = meta.row_ids
-        return columns, lambda need: self.controller.any_ready(ids, need)
+        ctl = self.controller
+
+        def can_lease(need: frozenset[str], gate: tuple[str, int] | None) -> bool:
+            return ctl.any_ready(ids, need) if gate is None else ctl.may_complete_group(ids, need, *gate)
+
+        return columns, can_lease
 
     def _lease_task(self, meta: BatchMeta) -> str | None:
         info = self.controller.lease_info(meta.lease_id) if isinstance(meta.lease_id, int) else None
@@ -210,7 +222,8 @@ class InProcessStore(StreamStore):
 
     async def _block(self, attempt: Callable[[], T | None], timeout: float | None, what: str,
                      waits_for: frozenset[str] | None = None, columns: frozenset[str] = frozenset(),
-                     wakes: Collection[str] | None = None, written: Collection[str] = ()) -> T:
+                     wakes: Collection[str] | None = None, written: Collection[str] = (),
+                     gate: tuple[str, int] | None = None) -> T:
         """Retry ``attempt`` (under the lock) until it returns non-None, waking only when notified of one of
         ``waits_for`` (None: any change) or of rows with every one of ``columns`` ready, at the earliest lease
         deadline, or at ``timeout``; success wakes the waiters for ``wakes`` and for ``written`` columns."""
@@ -231,7 +244,7 @@ class InProcessStore(StreamStore):
                         f"{what} did not complete within {timeout}s; raise the timeout, or check that a producer "
                         "is writing the columns asked for (and that consumers acknowledge rows)"
                     )
-                fut = self._waiters.add(waits_for, columns)
+                fut = self._waiters.add(waits_for, columns, gate)
                 next_deadline = self.controller.next_deadline()
             delay = None if give_up is None else max(0.0, give_up - loop.time())
             if next_deadline is not None:
@@ -332,6 +345,7 @@ class InProcessStore(StreamStore):
         with self._lock:
             self._check_open()
             self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s, partition)
+            group_size = self.controller.whole_group_size(sampler)
 
         def attempt() -> BatchMeta | None:
             return self.controller.try_lease(
@@ -343,7 +357,8 @@ class InProcessStore(StreamStore):
         # wakes the task's other waiters (data-parallel ranks claim parts reserved for them)
         mine = _task_event(task)
         return await self._block(attempt, timeout, f"get_meta({task!r}, {list(columns)}, batch_size={batch_size})",
-                                 waits_for=frozenset((mine,)), columns=frozenset(columns), wakes=(mine,))
+                                 waits_for=frozenset((mine,)), columns=frozenset(columns), wakes=(mine,),
+                                 gate=(task, group_size) if group_size else None)
 
     async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         names = tuple(meta.columns if columns is None else columns)
