@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncflow_core.store.controller import has_repeats
@@ -256,7 +257,7 @@ class StorageUnit:
         if store.used + total > store.values.shape[0]:
             self._compact_arena(store, extra=total)
         if total and not _zero_width(store.values):  # lengths-only values: only the offsets are kept
-            store.values[store.used : store.used + total] = col.values.to(self.device)
+            _copy_into(store.values[store.used : store.used + total], col.values.to(self.device))
         store.start[pos] = store.used + col.offsets[:-1]
         store.length[pos] = col.lengths
         store.used += total
@@ -273,11 +274,18 @@ class StorageUnit:
         pos = pos[torch.argsort(store.start[pos])]
         starts, lens = store.start[pos], store.length[pos]
         new_starts = torch.cumsum(lens, 0) - lens
-        # uninitialised: every slot below ``live`` is written next, and nothing reads past ``used``
-        values = torch.empty((new_cap, *store.values.shape[1:]), dtype=store.values.dtype, device=self.device)
-        if not _zero_width(values):  # zero-width values have nothing to move
-            _pack_segments(store.values, values, starts, lens)
-        store.values = values
+        old_values = store.values
+        if new_cap == cap and _numpy_viewable(old_values):
+            # the same size: pack in place, so the arena's pages (touched already) are reused; a fresh arena
+            # would page-fault on every write after each compaction (a copy into fresh pages ran at a third of
+            # memcpy here)
+            _pack_in_place(old_values, starts, lens)
+        else:
+            # uninitialised: every slot below ``live`` is written next, and nothing reads past ``used``
+            values = torch.empty((new_cap, *old_values.shape[1:]), dtype=old_values.dtype, device=self.device)
+            if not _zero_width(values):  # zero-width values have nothing to move
+                _pack_segments(old_values, values, starts, lens)
+            store.values = values
         store.start[pos] = new_starts
         store.used, store.garbage = live, 0
 
@@ -441,8 +449,54 @@ def _pack_segments(src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, l
     last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
     out = 0
     for a, b in zip(starts[first].tolist(), ends[last].tolist(), strict=True):
-        dst[out : out + b - a] = src[a:b]
+        _copy_into(dst[out : out + b - a], src[a:b])
         out += b - a
+
+
+#: dtypes numpy can view without a copy; a CPU copy of one of them at least this many elements long goes through
+#: numpy (one single-threaded memcpy) instead of torch's copy kernel, which splits a copy that long over its
+#: intra-op threads: on a host whose cores are busy (engines, trainer ranks) that split waits for a descheduled
+#: thread, measured at 9 ms for a 0.7 MB copy on 2 busy cores against 0.2 ms on one thread (docs/performance.md)
+_NUMPY_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                           torch.float64, torch.float32, torch.float16})
+_NUMPY_MIN_ELEMENTS = 1 << 15  #: torch's intra-op grain size: shorter copies run on one thread anyway
+
+
+def _numpy_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.dtype in _NUMPY_DTYPES and dst.numel() >= _NUMPY_MIN_ELEMENTS and dst.shape == src.shape
+            and not dst.requires_grad and not src.requires_grad)
+
+
+def _numpy_viewable(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and not t.requires_grad and not _zero_width(t)
+
+
+def _pack_in_place(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Move segments ``values[starts[i] : starts[i] + lengths[i]]`` (sorted by start) back to back to the front of
+    ``values`` itself. Segment i lands at or below its start and ends at or below segment i + 1's start, so no
+    move overwrites a segment not yet moved; numpy's copy handles the overlap within one move."""
+    arr = values.numpy()
+    out = 0
+    for a, n in zip(starts.tolist(), lengths.tolist(), strict=True):
+        if n and out != a:
+            np.copyto(arr[out : out + n], arr[a : a + n])
+        out += n
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` (same shape), as one memcpy on CPU when that is what it is (see :data:`_NUMPY_DTYPES`)."""
+    if _numpy_copyable(dst, src):
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in fresh torch memory, copied as :func:`_copy_into` does."""
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    _copy_into(out, t)
+    return out
 
 
 def _zero_width(values: torch.Tensor) -> bool:
@@ -469,11 +523,15 @@ def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device) -> R
         values = store.values.new_empty((total, *store.values.shape[1:]))
     elif pos.numel() and bool((starts[1:] == starts[:-1] + lens[:-1]).all()):
         s0 = int(starts[0])  # rows written together: one slice instead of a gather
-        values = store.values[s0 : s0 + total].clone()
+        values = _clone(store.values[s0 : s0 + total])
     elif pos.numel() and total >= _SLICE_GATHER_MIN_MEAN * pos.numel():
         # long sequences (the usual case for tokens): one slice per row and one copy beats a per-token index
         vals = store.values
-        values = torch.cat([vals[a : a + n] for a, n in zip(starts.tolist(), lens.tolist(), strict=True)])
+        values = vals.new_empty((total, *vals.shape[1:]))
+        at = 0
+        for a, n in zip(starts.tolist(), lens.tolist(), strict=True):
+            _copy_into(values[at : at + n], vals[a : a + n])
+            at += n
     else:
         values = store.values[_segment_index(starts, lens).to(device)]
     return RaggedTensor(values, offsets.to(values.device))

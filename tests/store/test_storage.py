@@ -103,3 +103,31 @@ def test_state_dict_round_trip():
     b = t.read([4, 3], ["ids", "r"])
     assert b["ids"].to_list() == [[2, 3], [1]] and b["r"].tolist() == [0.25, 0.5]
     assert t.read([4], ["x"])["x"].tolist() == [[1, 2]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["write", "write", "free"]),
+                          st.lists(st.integers(0, 30), min_size=1, max_size=8, unique=True),
+                          st.integers(0, 9)), min_size=1, max_size=30))
+def test_long_rows_survive_compaction_in_place(ops):
+    """Rows long enough that writes, reads and compaction take the single-memcpy (numpy) paths, and garbage
+    that forces the arena to pack itself in place: reads always equal a plain dict model."""
+    s = StorageUnit()
+    model: dict[int, torch.Tensor] = {}
+    for op, ids, k in ops:
+        if op == "write":
+            seqs = [torch.arange(3000 * (1 + (i + k) % 9), dtype=torch.int64) * (i + 1) + k for i in ids]
+            s.write(ids, {"x": RaggedTensor.from_sequences(seqs, dtype=torch.int64),
+                          "f": RaggedTensor.from_sequences([q.to(torch.float32) / 7 for q in seqs])})
+            model.update(zip(ids, seqs, strict=True))
+        else:
+            s.free(ids)
+            for i in ids:
+                model.pop(i, None)
+        if model:
+            keys = sorted(model, reverse=True)
+            b = s.read(keys, ["x", "f"])
+            for j, key in enumerate(keys):
+                assert torch.equal(b["x"][j], model[key])
+                assert torch.equal(b["f"][j], model[key].to(torch.float32) / 7)
+    assert s.num_rows == len(model)
