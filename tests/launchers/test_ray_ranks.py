@@ -278,7 +278,7 @@ def test_the_trainer_pool_reserves_a_bundle_per_rank_actor_and_says_so_when_it_c
     assert len(roles("trainer.options={world_size: 1}")._pools()["trainer"]) == per_trainer
 
     big = roles(two, "launcher.options={trainer_cpus: 0.25, trainer_rank_cpus: 64, start_timeout_s: 2}")
-    with pytest.raises(ConfigError, match=r"trainer 0.25 \+ 2 rank actors x 64, reward"):
+    with pytest.raises(ConfigError, match=r"trainer 0.25 \+ 2 rank actors x 64 CPU, reward"):
         big.place()
     assert big.groups == {}
 

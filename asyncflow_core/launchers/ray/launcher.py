@@ -215,6 +215,12 @@ class RayRoles(Roles):
             bs = self._instance_bundles(spec)
             if not bs:
                 continue
+            if len(bs) > 1:  # a trainer with rank actors: its own bundle, then one per rank actor
+                own, rank = bs[0], bs[1]
+                what = (f"{own.get('CPU', 0):g} + {len(bs) - 1} rank actors x {rank.get('CPU', 0):g} CPU"
+                        + (f" + {rank.get('GPU', 0):g} GPU" if rank.get("GPU") else ""))
+                parts.append(f"{spec.name} {what}" if spec.count == 1 else f"{spec.name} {spec.count} x ({what})")
+                continue
             cpu, gpu = sum(b.get("CPU", 0) for b in bs), sum(b.get("GPU", 0) for b in bs)
             parts.append(f"{spec.name} {spec.count} x {cpu:g} CPU" + (f" + {gpu:g} GPU" if gpu else ""))
         return ", ".join(parts)
