@@ -1,6 +1,7 @@
 """LoRA vs full fine-tuning in the fsdp trainer: bytes per weight sync and trainer peak memory.
 
-    .venv/bin/python benchmarks/lora.py [--shape qwen2-0.5b|small] [--rank 8] [--tokens 64] [--rows 4] [--json]
+    .venv/bin/python benchmarks/lora.py [--shape qwen2-0.5b|small] [--rank 8] [--tokens 64] [--rows 4]
+        [--gradient-checkpointing] [--shard auto|always|never] [--logits-chunk-mib MIB] [--json]
 
 Each case (full, then LoRA) runs in its own subprocess: one world-1 ``fsdp``
 rank in that process (:func:`asyncflow_fsdp.testing.local_rank`, gloo on the
@@ -23,6 +24,14 @@ memory). Reported per case:
   source model and the sharded copy at once, whatever trains);
 - ``peak_rss_gib``: the peak of the whole process, the larger of the two
   (``ru_maxrss`` cannot give it: the reset clears it too).
+
+``--shard`` passes the engine's ``shard`` option (default: the engine's own
+default; ``sharded`` in the output says whether the rank ran FSDP2), and
+``--logits-chunk-mib`` the log-prob head's chunk (``0``: the whole
+micro-batch's logits at once, the path before chunking). Memory figures
+are the process's resident set, so they include what glibc's heap keeps of
+freed tensors; ``MALLOC_MMAP_THRESHOLD_=262144`` in the environment makes it
+return them, which shows the live tensors' share.
 
 The ``qwen2-0.5b`` shape is Qwen2-0.5B's (hidden 896, 24 layers, 14 heads, 2
 KV heads, intermediate 4864, vocab 151936, tied embeddings): 494M parameters,
@@ -58,9 +67,13 @@ def _vm(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def case(shape: str, lora: bool, rank: int, tokens: int, rows: int, checkpointing: bool) -> dict[str, Any]:
+def case(shape: str, lora: bool, rank: int, tokens: int, rows: int, checkpointing: bool,
+         shard: str | None = None, logits_chunk_mib: float | None = None,
+         model_dtype: str = "float32") -> dict[str, Any]:
     """One case, in this process (the parent runs each in a fresh subprocess)."""
     import torch
+
+    import asyncflow_fsdp.forward
 
     from asyncflow_core import columns as C
     from asyncflow_core.launchers.rank_driver import from_shared_memory
@@ -69,10 +82,14 @@ def case(shape: str, lora: bool, rank: int, tokens: int, rows: int, checkpointin
     from asyncflow_fsdp.testing import local_rank, train_payload
 
     cfg = dict(SHAPES[shape])
-    options = {"model": {"hf_config": cfg, "dtype": "float32"}, "device": "cpu", "mixed_precision": "float32",
+    options = {"model": {"hf_config": cfg, "dtype": model_dtype}, "device": "cpu", "mixed_precision": "float32",
                "export_dtype": "bfloat16", "lr": 1e-5, "cpu_threads_per_rank": os.cpu_count() or 1,
                "micro_batch_tokens": 1 << 20, "timeout_s": 3600, "setup_timeout_s": 3600,
                "gradient_checkpointing": checkpointing}
+    if shard is not None:
+        options["shard"] = shard
+    if logits_chunk_mib is not None:  # the rank runs in this process: its log-prob head reads this at call time
+        asyncflow_fsdp.forward.LOGITS_CHUNK_BYTES = int(logits_chunk_mib * 2**20)
     if lora:
         options["lora"] = {"rank": rank, "alpha": 2 * rank}
     gen = torch.Generator().manual_seed(0)
@@ -89,6 +106,7 @@ def case(shape: str, lora: bool, rank: int, tokens: int, rows: int, checkpointin
     t0 = time.perf_counter()
     with local_rank(options) as worker:
         setup_s = time.perf_counter() - t0
+        sharded = bool(worker._fsdp)
         params = sum(p.numel() for p in worker.model.parameters())
         trainable = sum(p.numel() for p in worker.model.parameters() if p.requires_grad)
         logps, _ = worker.op_logprobs({"batch": batch, "micro_batches": [torch.arange(rows)], "passes": 1,
@@ -115,7 +133,8 @@ def case(shape: str, lora: bool, rank: int, tokens: int, rows: int, checkpointin
     return {"shape": shape, "lora": lora, "rank": rank if lora else None, "parameters": params,
             "trainable_parameters": trainable, "sync_bytes": nbytes, "sync_tensors": tensors,
             "export_s": round(export_s, 3), "setup_s": round(setup_s, 1), "step_s": round(step_s, 1),
-            "stepped": bool(reply["stepped"]), "gradient_checkpointing": checkpointing,
+            "stepped": bool(reply["stepped"]), "gradient_checkpointing": checkpointing, "sharded": sharded,
+            "logits_chunk_bytes": asyncflow_fsdp.forward.LOGITS_CHUNK_BYTES,
             "rss_before_step_gib": round(resident / 2**30, 3), "peak_rss_train_gib": round(train_peak / 2**30, 3),
             "peak_rss_setup_gib": round(setup_peak / 2**30, 3),
             "peak_rss_gib": round(max(setup_peak, train_peak) / 2**30, 3)}
@@ -128,17 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="prompt and response tokens per row")
     p.add_argument("--rows", type=int, default=4, help="rows in the train step")
     p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward (both)")
+    p.add_argument("--shard", choices=["auto", "always", "never"],
+                   help="the engine's shard option (default: the engine's default)")
+    p.add_argument("--logits-chunk-mib", type=float,
+                   help="float32 logits per chunk of the log-prob head (default: asyncflow_fsdp.forward's; 0: the "
+                        "whole micro-batch's logits at once)")
+    p.add_argument("--model-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype rank 0 builds the source model in (the master weights are float32 either way)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--case", choices=["full", "lora"], help=argparse.SUPPRESS)  # the subprocess's own case
     a = p.parse_args(argv)
     if a.case:
-        print(json.dumps(case(a.shape, a.case == "lora", a.rank, a.tokens, a.rows, a.gradient_checkpointing)))
+        print(json.dumps(case(a.shape, a.case == "lora", a.rank, a.tokens, a.rows, a.gradient_checkpointing,
+                              a.shard, a.logits_chunk_mib, a.model_dtype)))
         return 0
     results = {}
     for name in ("full", "lora"):
         cmd = [sys.executable, __file__, "--case", name, "--shape", a.shape, "--rank", str(a.rank),
-               "--tokens", str(a.tokens), "--rows", str(a.rows)]
+               "--tokens", str(a.tokens), "--rows", str(a.rows), "--model-dtype", a.model_dtype]
         cmd += ["--gradient-checkpointing"] if a.gradient_checkpointing else []
+        cmd += ["--shard", a.shard] if a.shard else []
+        cmd += ["--logits-chunk-mib", str(a.logits_chunk_mib)] if a.logits_chunk_mib is not None else []
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             print(out.stderr[-3000:], file=sys.stderr)
@@ -147,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     full, lora = results["full"], results["lora"]
     summary = {
         "shape": a.shape, "rank": a.rank, "rows": a.rows, "tokens": a.tokens,
-        "gradient_checkpointing": a.gradient_checkpointing, "cases": results,
+        "gradient_checkpointing": a.gradient_checkpointing, "shard": a.shard,
+        "logits_chunk_mib": a.logits_chunk_mib, "cases": results,
         "sync_bytes_ratio": lora["sync_bytes"] / full["sync_bytes"],
         "peak_rss_train_ratio": lora["peak_rss_train_gib"] / full["peak_rss_train_gib"],
         "peak_rss_ratio": lora["peak_rss_gib"] / full["peak_rss_gib"],

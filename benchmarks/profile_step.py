@@ -3,6 +3,7 @@
 Usage: python benchmarks/profile_step.py [--sizes 0.1M,10M,100M,0.5B] [--steps N] [--warmup W] [--cooldown C]
                                          [--checkpoint-every K] [--logprob-stages] [--json] [--png PATH]
                                          [--out runs/profile_step] [override ...]
+       python benchmarks/profile_step.py --rank-step [--repeats R] [--json]
 
 Each size is a real run of ``examples/arithmetic_grpo.yaml`` (``one_step``,
 the ``local`` launcher, the ``torch`` rollout engine, the ``fsdp`` trainer at
@@ -48,6 +49,15 @@ in the outer one.
 Peak RSS per process is ``VmHWM`` from ``/proc``: the driver's own, and
 every descendant's (rank processes, the forkserver), found by walking
 ``/proc/*/stat`` parent ids while the run is on.
+
+``--rank-step`` measures one thing only, the least noisy on a shared
+machine: the **CPU time** of one world-1 ``fsdp`` rank's train step, run in
+this process (no driver, no generation beside it), on the example's model
+and a batch of its shape (256 rows, 4 prompt + 2-3 response tokens, one
+micro-batch, one torch thread), under each ``shard`` setting (``always``:
+FSDP2 at world 1, as before ``auto`` existed; ``auto``: the plain model).
+Each repetition sets a rank up per setting, in turn, and takes the median
+of 10 steps after 2 warm-up steps.
 
 ``--logprob-stages`` adds ``algorithm.options.correction=decoupled`` and
 ``kl_coef=0.001`` so the ``old`` and ``ref`` log-prob stages run (the
@@ -615,6 +625,49 @@ def _table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def rank_step(repeats: int) -> dict[str, Any]:
+    """CPU seconds of a world-1 rank's train step per ``shard`` setting (see the module docstring)."""
+    import torch
+    import yaml
+
+    from asyncflow_core import columns as C
+    from asyncflow_core.types import Batch, RaggedTensor
+    from asyncflow_fsdp.testing import local_rank, train_payload
+    from asyncflow_plugins.algorithms import GRPO, GRPOConfig
+
+    torch.set_num_threads(1)
+    example = yaml.safe_load(EXAMPLE.read_text())
+    gen = torch.Generator().manual_seed(0)
+    rows = example["data"]["prompts_per_step"] * example["rollout"]["n"]
+    vocab = example["model"]["hf_config"]["vocab_size"]
+    prompts = RaggedTensor.from_sequences([torch.randint(0, vocab, (4,), generator=gen) for _ in range(rows)])
+    responses = RaggedTensor.from_sequences(
+        [torch.randint(0, vocab, (int(torch.randint(2, 4, (1,), generator=gen)),), generator=gen) for _ in range(rows)])
+    advantages = torch.repeat_interleave(torch.randn(rows, generator=gen), responses.lengths)
+    batch = Batch({C.PROMPT_IDS: prompts, C.RESPONSE_IDS: responses,
+                   C.ADVANTAGES: RaggedTensor(advantages, responses.offsets),
+                   C.BEHAVIOR_LOGPROBS: RaggedTensor(-torch.rand(responses.numel_packed, generator=gen),
+                                                     responses.offsets)})
+    algorithm = GRPO(GRPOConfig(**example["algorithm"]["options"]))
+    payload = train_payload(batch, algorithm)
+    options = {"model": example["model"], **example["trainer"]["options"], "device": "cpu", "cpu_threads_per_rank": 1}
+    medians: dict[str, list[float]] = {"always": [], "auto": []}
+    for _ in range(repeats):
+        for shard, out in medians.items():
+            with local_rank({**options, "shard": shard}) as worker:
+                for _ in range(2):
+                    worker.op_train(payload)
+                cpu = []
+                for _ in range(10):
+                    t = time.process_time()
+                    worker.op_train(payload)
+                    cpu.append(time.process_time() - t)
+            out.append(sorted(cpu)[len(cpu) // 2])
+    return {"rank_step_cpu_s": {k: {"median": sorted(v)[len(v) // 2], "min": min(v), "repeats": v}
+                                for k, v in medians.items()}, "rows": rows, "tokens": int(
+                                    prompts.numel_packed + responses.numel_packed)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="0.1M,10M,100M,0.5B", help=f"comma-separated, from {','.join(SIZES)}")
@@ -626,11 +679,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=REPO / "runs" / "profile_step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--png", type=Path, default=None, help="write the stacked-bar chart of the split here")
+    p.add_argument("--rank-step", action="store_true",
+                   help="only the CPU time of a world-1 rank's train step, shard: always vs auto (see the docstring)")
+    p.add_argument("--repeats", type=int, default=4, help="--rank-step: interleaved repetitions per setting")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: profile one size in this process
     p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every size")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0 or a.cooldown < 0 or a.checkpoint_every < 0:
         p.error("--steps must be >= 1; --warmup, --cooldown and --checkpoint-every >= 0")
+    if a.rank_step:
+        if a.repeats < 1:
+            p.error("--repeats must be >= 1")
+        res = rank_step(a.repeats)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            print("shard | CPU ms per train step (median of repeats) | min")
+            print("--- | --- | ---")
+            for shard, r in res["rank_step_cpu_s"].items():
+                print(f"{shard} | {r['median'] * 1e3:.1f} | {r['min'] * 1e3:.1f}")
+        return 0
     if a.one is not None:
         res = profile_size(a.one, steps=a.steps, warmup=a.warmup, cooldown=a.cooldown,
                            checkpoint_every=a.checkpoint_every,

@@ -22,6 +22,8 @@ def split_across_ranks(lengths: torch.Tensor, world_size: int) -> list[torch.Ten
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if world_size == 1:  # every row to the one rank (what the loop below gives, without a Python step per row)
+        return [torch.arange(len(lengths), dtype=torch.int64)]
     load = [0] * world_size
     rows: list[list[int]] = [[] for _ in range(world_size)]
     order = torch.argsort(lengths, descending=True, stable=True).tolist()
@@ -41,18 +43,17 @@ def micro_batches(lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
     """
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    order = torch.argsort(lengths, descending=True, stable=True)
+    ordered = lengths[order].tolist()
     out: list[torch.Tensor] = []
-    current: list[int] = []
-    longest = 0
-    for i in torch.argsort(lengths, descending=True, stable=True).tolist():
-        n = int(lengths[i])
-        if current and (len(current) + 1) * max(longest, n) > budget:
-            out.append(torch.tensor(current, dtype=torch.int64))
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        out.append(torch.tensor(current, dtype=torch.int64))
+    start = 0
+    while start < len(ordered):
+        # the first row of a micro-batch is its longest (descending order): it fixes how many rows fit,
+        # one step per micro-batch rather than per row
+        longest = int(ordered[start])
+        take = len(ordered) - start if longest == 0 else max(1, budget // longest)
+        out.append(order[start:start + take].clone())
+        start += take
     return out
 
 

@@ -187,10 +187,11 @@ class RankWorkerBase:
         self._listen_fd = listener.detach()
         return port
 
-    def set_cpu_threads(self) -> None:
-        """This rank's intra-op threads: ``cpu_threads_per_rank``, or the host's cores shared by the ranks."""
+    def set_cpu_threads(self, others: int = 0) -> None:
+        """This rank's intra-op threads: ``cpu_threads_per_rank``, or the host's cores shared by the ranks and
+        ``others`` more busy processes (an engine whose driver computes beside its ranks counts it here)."""
         c = self.config
-        torch.set_num_threads(c.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // self.world_size))
+        torch.set_num_threads(c.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // (self.world_size + others)))
 
     def join_group(self, port: int, backend: str) -> None:
         """Join the default process group, rendezvous on loopback at rank 0's ``port`` (from ``bind``)."""

@@ -47,7 +47,13 @@ class FSDPTrainConfig(BaseModel):
         "spawn starts fresh interpreters. Never a fork of the driver.",
     )
     cpu_threads_per_rank: int | None = Field(
-        None, ge=1, description="torch threads per rank on CPU; default: the CPU count divided by world_size."
+        None, ge=1, description="torch threads per rank on CPU; default: the CPU count divided by world_size + 1 "
+        "(at least 1): the driver's process, where the rollout engine generates beside training, keeps a share."
+    )
+    shard: Literal["auto", "always", "never"] = Field(
+        "auto", description="Wrap the model in FSDP2 (fully_shard). auto: not at world_size 1 unless a GPU "
+        "mixed-precision policy applies (at one rank sharding only adds per-call work); always: also at world 1; "
+        "never: world_size 1 only. Checkpoints, exports and log-probs are the same either way."
     )
 
     lr: float = Field(1e-6, gt=0, description="AdamW learning rate.")
@@ -86,7 +92,19 @@ class FSDPTrainConfig(BaseModel):
         for b in self.betas:
             if not 0 <= b < 1:
                 raise ValueError(f"betas must lie in [0, 1), got {self.betas}")
+        if self.shard == "never" and self.world_size > 1:
+            raise ValueError(f"shard: never needs world_size 1 (got {self.world_size}): ranks share the model "
+                             "through FSDP; use shard: auto")
         return self
+
+    def sharded(self, device_type: str) -> bool:
+        """Whether the ranks wrap the model in FSDP2 on ``device_type`` (``cpu`` or ``cuda``)."""
+        if self.shard == "always" or self.world_size > 1:
+            return True
+        if self.shard == "never":
+            return False
+        # auto at one rank: only where FSDP2 also supplies the GPU's bf16 compute (its MixedPrecisionPolicy)
+        return device_type == "cuda" and self.mixed_precision == "bfloat16"
 
     def features(self) -> TrainFeatures:
         """The capabilities of an engine built from these options."""

@@ -3,29 +3,61 @@
 Rows are right-padded into a rectangle and run without an attention mask:
 with causal attention a real token never sees the padding after it, and
 position ids start at 0 in every row, so each row's logits equal those of an
-unpadded forward. Only the positions that predict response tokens are turned
-into logits (``logits_to_keep``), then the shared log-prob convention
+unpadded forward. Only the positions that predict response tokens reach the
+LM head (``logits_to_keep``), and the shared log-prob convention
 (temperature, top-k, top-p; :func:`asyncflow_core.types.sampling.sampling_logprobs`)
 is applied in float32.
+
+The head runs in chunks of tokens: for each chunk, hidden states -> logits
+-> log-probs -> the target's log-prob, so the float32 ``[tokens, vocab]``
+logits (600 KB per token at a 151,936-word vocabulary) exist for one chunk
+at a time and never for the whole micro-batch. Under autograd each chunk is
+recomputed in backward (``torch.utils.checkpoint``), so neither the logits
+nor their gradient is kept between forward and backward; the price is one
+more head matmul per chunk in backward. The chunked head stands in for the
+head's ``forward`` during the model's own call, so FSDP sees the same
+forward as before (the head is part of the root unit). Models whose forward
+changes the head's output (e.g. logit soft-capping) are found by a probe on
+first use and take the whole-logits path.
+
+Gradient checkpointing (``model.gradient_checkpointing_enable``): Hugging
+Face checkpoints a decoder layer only while that layer is in training mode,
+and the engine scores in eval mode (no dropout). While grad is enabled,
+:func:`score` marks the checkpointing layers themselves as training (their
+own flag, not their children's, so dropout modules stay off); models whose
+config asks for dropout are left alone, since a layer may read its own flag
+for functional dropout.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from asyncflow_core.types import RaggedTensor
 from asyncflow_core.types.sampling import sampling_logprobs
 
 PAD_ID = 0  #: filler after each row; never attended to by a real token (causal attention)
 
+#: float32 logits one chunk of the head may hold (tokens per chunk = this // (vocab * 4), at least 1): 64 MiB is
+#: 110 tokens at Qwen2's 151,936-word vocabulary, wide enough for an efficient matmul
+LOGITS_CHUNK_BYTES = 64 << 20
+
+#: per model: whether its forward returns the LM head's output unchanged (the probe's answer, see score)
+_HEAD_IS_LOGITS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
 
 @dataclass(frozen=True)
 class Layout:
     """Where every response token sits in the padded rectangle."""
 
-    input_ids: torch.Tensor  #: [rows, longest] int64, right-padded
+    input_ids: torch.Tensor  #: [rows, longest - 1] int64, right-padded (no row needs its last token)
     keep: torch.Tensor  #: positions whose logits are computed (int64, ascending)
     row: torch.Tensor  #: per response token: its row
     column: torch.Tensor  #: per response token: index into ``keep`` of the position that predicts it
@@ -34,20 +66,28 @@ class Layout:
 
 
 def layout(prompt_ids: RaggedTensor, response_ids: RaggedTensor) -> Layout:
-    """Pack rows right-padded; locate the logits that score each response token."""
+    """Pack rows right-padded; locate the logits that score each response token.
+
+    A row's last token is left out of the rectangle: its logits would predict
+    the token after the response, which nothing scores (causal attention, so
+    no earlier position sees it either).
+    """
     p_len, r_len = prompt_ids.lengths, response_ids.lengths
-    total = p_len + r_len
     rows = len(p_len)
-    width = max(int(total.max()), 1) if rows else 1
+    width = max(int((p_len + r_len).max()) - 1, 1) if rows else 1
     input_ids = torch.full((max(rows, 1), width), PAD_ID, dtype=torch.int64)
-    for i in range(rows):
-        p, r = int(p_len[i]), int(r_len[i])
-        input_ids[i, :p] = prompt_ids.values[prompt_ids.offsets[i] : prompt_ids.offsets[i + 1]]
-        input_ids[i, p : p + r] = response_ids.values[response_ids.offsets[i] : response_ids.offsets[i + 1]]
     row = torch.repeat_interleave(torch.arange(rows), r_len)
     # response token j of row i sits at p_i + j and is predicted by position p_i + j - 1
     within = torch.arange(response_ids.numel_packed) - torch.repeat_interleave(response_ids.offsets[:-1], r_len)
     position = torch.repeat_interleave(p_len, r_len) - 1 + within
+    if rows:
+        # every token's place in the rectangle at once: prompt tokens at 0.., response tokens after their prompt
+        p_row = torch.repeat_interleave(torch.arange(rows), p_len)
+        p_col = torch.arange(prompt_ids.numel_packed) - torch.repeat_interleave(prompt_ids.offsets[:-1], p_len)
+        at_row, at_col = torch.cat([p_row, row]), torch.cat([p_col, position + 1])
+        ids = torch.cat([prompt_ids.values.to(torch.int64), response_ids.values.to(torch.int64)])
+        inside = at_col < width
+        input_ids[at_row[inside], at_col[inside]] = ids[inside]
     if position.numel():
         lo, hi = int(position.min()), int(position.max())
     else:
@@ -66,34 +106,192 @@ def score(
     top_k: int,
     value_head: torch.nn.Module | None = None,
     keep_logits_supported: bool = True,
+    chunk_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (float32, with grad when enabled) of every response token, and values if ``value_head``.
 
     Both are 1-D, packed in the order of ``response_ids.values``.
+    ``chunk_bytes`` bounds the float32 logits of one chunk of the head
+    (default :data:`LOGITS_CHUNK_BYTES`, read at call time); ``0`` computes
+    the logits of every kept position at once (the reference path). Both
+    give the same log-probs and gradients up to float32 rounding.
     """
+    budget = LOGITS_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if budget < 0:
+        raise ValueError(f"chunk_bytes must be >= 0 (0: no chunks), got {chunk_bytes}")
+    head = _output_head(model) if budget > 0 else None
+    if head is not None and _head_is_logits(model, head, device, keep_logits_supported):
+        chunk = max(1, budget // (4 * _vocab_size(model, head)))
+        return _score_chunked(model, head, lay, device, (temperature, top_p, top_k), value_head,
+                              keep_logits_supported, chunk)
+    return _score_whole(model, lay, device, (temperature, top_p, top_k), value_head, keep_logits_supported)
+
+
+# -- running the model -----------------------------------------------------------
+
+
+def _run(model: torch.nn.Module, lay: Layout, device: torch.device, keep_logits_supported: bool,
+         with_hidden: bool) -> tuple[Any, torch.Tensor | None, torch.Tensor]:
+    """One model call: its output, the decoder's final hidden states if asked, and the column of each target."""
     input_ids = lay.input_ids.to(device)
     hidden: list[torch.Tensor] = []
     handle = None
-    if value_head is not None:
+    if with_hidden:
         # the decoder's output is the final (normed) hidden state the LM head reads
         handle = model.get_decoder().register_forward_hook(lambda _m, _i, out: hidden.append(out[0]))
     try:
-        if keep_logits_supported:
-            out = model(input_ids=input_ids, use_cache=False, logits_to_keep=lay.keep.to(device))
-            logits = out.logits
-            column = lay.column
-        else:
-            logits = model(input_ids=input_ids, use_cache=False).logits
-            column = lay.position
+        with _checkpointing(model):
+            if keep_logits_supported:
+                out = model(input_ids=input_ids, use_cache=False, logits_to_keep=lay.keep.to(device))
+                column = lay.column
+            else:
+                out = model(input_ids=input_ids, use_cache=False)
+                column = lay.position
     finally:
         if handle is not None:
             handle.remove()
-    row, column = lay.row.to(device), column.to(device)
-    picked = logits[row, column].float()
-    logp = sampling_logprobs(picked, temperature, top_p, top_k)
-    logp = logp.gather(1, lay.targets.to(device).unsqueeze(1)).squeeze(1)
-    values = None
-    if value_head is not None:
-        h = hidden[0][row, lay.position.to(device)]
-        values = value_head(h).squeeze(-1).float()
+    return out, (hidden[0] if hidden else None), column
+
+
+@contextmanager
+def _checkpointing(model: torch.nn.Module) -> Iterator[None]:
+    """With grad enabled, the layers that checkpoint (``gradient_checkpointing`` set) do so in eval mode too."""
+    layers = []
+    if torch.is_grad_enabled() and not _config_dropout(model):
+        layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and not m.training]
+    for m in layers:
+        m.training = True  # this module only: `train()` would also switch on its children's dropout
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.training = False
+
+
+def _config_dropout(model: torch.nn.Module) -> bool:
+    """Whether the model's config sets any dropout probability above 0 (``*dropout*``, ``*pdrop*``)."""
+    config = getattr(model, "config", None)
+    fields = vars(config) if config is not None and hasattr(config, "__dict__") else {}
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in fields.items())
+
+
+def _values(value_head: torch.nn.Module, hidden: torch.Tensor | None, lay: Layout,
+            device: torch.device) -> torch.Tensor:
+    assert hidden is not None
+    h = hidden[lay.row.to(device), lay.position.to(device)]
+    return value_head(h).squeeze(-1).float()
+
+
+def _score_whole(model: torch.nn.Module, lay: Layout, device: torch.device, convention: tuple[float, float, int],
+                 value_head: torch.nn.Module | None,
+                 keep_logits_supported: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The logits of every kept position at once, then the convention over all of them."""
+    out, hidden, column = _run(model, lay, device, keep_logits_supported, value_head is not None)
+    picked = out.logits[lay.row.to(device), column.to(device)].float()
+    logp = _target_logprobs(picked, lay.targets.to(device), convention)
+    values = _values(value_head, hidden, lay, device) if value_head is not None else None
     return logp, values
+
+
+def _score_chunked(model: torch.nn.Module, head: torch.nn.Module, lay: Layout, device: torch.device,
+                   convention: tuple[float, float, int], value_head: torch.nn.Module | None,
+                   keep_logits_supported: bool, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's call with :class:`_TargetLogprobs` standing in for the head's ``forward``."""
+    column = lay.column if keep_logits_supported else lay.position
+    stand_in = _TargetLogprobs(head, lay.row.to(device), column.to(device), lay.targets.to(device), convention,
+                               chunk)
+    with _standing_in(head, stand_in):
+        out, hidden, _ = _run(model, lay, device, keep_logits_supported, value_head is not None)
+    if out.logits is not stand_in.result:  # the probe said this cannot happen; say so loudly if it does
+        raise RuntimeError(f"{type(model).__name__} changed its LM head's output; score it with chunk_bytes=0")
+    values = _values(value_head, hidden, lay, device) if value_head is not None else None
+    return stand_in.result, values
+
+
+# -- the chunked head ----------------------------------------------------------------
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor, convention: tuple[float, float, int]) -> torch.Tensor:
+    temperature, top_p, top_k = convention
+    logp = sampling_logprobs(logits, temperature, top_p, top_k)
+    return logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+
+
+class _TargetLogprobs:
+    """Stands in for the LM head's ``forward`` during one model call: it returns the float32 log-prob of each
+    target token (1-D, in target order) instead of logits, computed ``chunk`` tokens at a time."""
+
+    def __init__(self, head: torch.nn.Module, row: torch.Tensor, column: torch.Tensor, targets: torch.Tensor,
+                 convention: tuple[float, float, int], chunk: int) -> None:
+        self.head_forward = head.forward  # the head's own forward (taken before the stand-in shadows it)
+        self.head_trains = any(p.requires_grad for p in head.parameters())
+        self.row, self.column, self.targets = row, column, targets
+        self.convention = convention
+        self.chunk = chunk
+        self.result: torch.Tensor | None = None
+
+    def _piece(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return _target_logprobs(self.head_forward(hidden).float(), targets, self.convention)
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        h = hidden_states[self.row, self.column]  # [targets, hidden]
+        recompute = torch.is_grad_enabled() and (h.requires_grad or self.head_trains)
+        pieces = []
+        for start in range(0, max(h.shape[0], 1), self.chunk):  # an empty pass still runs one (empty) chunk
+            hc, tc = h[start : start + self.chunk], self.targets[start : start + self.chunk]
+            if recompute:  # keep only the chunk's hidden states; its logits are recomputed in backward
+                pieces.append(checkpoint(self._piece, hc, tc, use_reentrant=False))
+            else:
+                pieces.append(self._piece(hc, tc))
+        self.result = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return self.result
+
+
+@contextmanager
+def _standing_in(head: torch.nn.Module, stand_in: Any) -> Iterator[None]:
+    """``head.forward`` is ``stand_in`` inside (an instance attribute shadows the class's method)."""
+    if "forward" in vars(head):
+        raise RuntimeError(f"{type(head).__name__}.forward is already replaced on the instance")
+    head.forward = stand_in
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def _output_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+def _vocab_size(model: torch.nn.Module, head: torch.nn.Module) -> int:
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    return int(model.get_input_embeddings().weight.shape[0])
+
+
+def _head_is_logits(model: torch.nn.Module, head: torch.nn.Module, device: torch.device,
+                    keep_logits_supported: bool) -> bool:
+    """Whether ``model``'s forward returns its head's output untouched (probed once per model, then cached).
+
+    The probe is a one-token forward without grad, with a stand-in head that
+    returns a marker: the marker must come back as ``logits``, unmodified.
+    Every rank runs it on its first call, so collectives stay in step.
+    """
+    known = _HEAD_IS_LOGITS.get(model)
+    if known is not None:
+        return known
+    marker = torch.zeros(1, device=device)
+
+    def stand_in(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return marker
+
+    probe = Layout(torch.full((1, 1), PAD_ID, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                   *(torch.zeros(0, dtype=torch.int64) for _ in range(4)))
+    with torch.no_grad(), _standing_in(head, stand_in):
+        out, _, _ = _run(model, probe, device, keep_logits_supported, with_hidden=False)
+    answer = getattr(out, "logits", None) is marker and marker._version == 0 and not bool(marker.any())
+    _HEAD_IS_LOGITS[model] = answer
+    return answer

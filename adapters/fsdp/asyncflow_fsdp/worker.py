@@ -85,7 +85,9 @@ class RankWorker(RankWorkerBase):
         c = self.config
         device_type: str = payload["device"]
         if c.cpu_threads_per_rank or device_type == "cpu":
-            self.set_cpu_threads()
+            # the driver's process keeps a share: in one_step and async runs the rollout engine there generates
+            # while the ranks train, and torch's threads on an oversubscribed core wait on each other
+            self.set_cpu_threads(others=1)
         if device_type == "cuda":
             self.device = rank_device(self.rank, torch.cuda.device_count())
             torch.cuda.set_device(self.device)  # before anything allocates on CUDA (NCCL's communicator too)
@@ -97,11 +99,26 @@ class RankWorker(RankWorkerBase):
 
         if c.model is None:
             raise ValueError("no model: set the run's `model` section or the engine's `model` option")
-        # rank 0 alone builds the real model (from the checkpoint or the seed) on the CPU; every rank shards an
-        # empty float32 skeleton (the master weights; the compute dtype is the mixed-precision policy's) and then
-        # receives its slices from rank 0: no rank holds the whole model on its device, only rank 0 in CPU memory
+        sharded = c.sharded(device_type)
+        if not sharded and device_type == "cuda" and c.mixed_precision == "bfloat16":
+            raise ValueError("shard: never has no bf16 compute on the GPU (FSDP2's MixedPrecisionPolicy supplies "
+                             "it); set mixed_precision: float32, or shard: auto")
+        # rank 0 alone builds the real model (from the checkpoint or the seed) on the CPU
         source = build_causal_lm(c.model, seed=c.seed, device="cpu") if self.rank == 0 else None
-        net = meta_skeleton(c.model)
+        blocks: list[torch.nn.Module] = []
+        kwargs: dict[str, Any] = {}
+        if sharded:
+            # every rank shards an empty float32 skeleton (the master weights; the compute dtype is the
+            # mixed-precision policy's) and then receives its slices from rank 0: no rank holds the whole model on
+            # its device, only rank 0 in CPU memory
+            net = meta_skeleton(c.model)
+        else:
+            # one rank, no FSDP: the source itself becomes the model (made float32 below: the same weights the
+            # skeleton would receive, tied embeddings still one parameter), with plain parameters of the same
+            # names, so checkpoints hold the same tensors (DCP reshards plain tensors and DTensors alike) and load
+            # at any world size
+            assert source is not None
+            net, source = source, None
         self._architecture = type(net).__name__
         self._keep_logits = "logits_to_keep" in inspect.signature(net.forward).parameters
         if c.gradient_checkpointing:
@@ -110,22 +127,28 @@ class RankWorker(RankWorkerBase):
             # peft wraps before fully_shard: the base is frozen (requires_grad=False) and each block's adapter
             # weights share its FSDP unit (FSDP2 keeps every parameter separate, so frozen and trainable mix).
             # Rank 0 draws the adapter's initial A from the seed (B starts at 0, so version 0 is the base model)
-            # and broadcasts it with the rest.
-            net = wrap(net, c.lora)
-            if source is not None:
-                with torch.random.fork_rng():
-                    torch.manual_seed(c.seed)
+            # and, sharded, broadcasts it with the rest.
+            if sharded:
+                net = wrap(net, c.lora)
+            with torch.random.fork_rng():
+                torch.manual_seed(c.seed)
+                if not sharded:
+                    net = wrap(net, c.lora)
+                elif source is not None:
                     source = wrap(source, c.lora)
-        mesh = init_device_mesh(device_type, (self.world_size,))
-        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": c.reshard_after_forward}
-        if device_type == "cuda" and c.mixed_precision == "bfloat16":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        blocks = _decoder_blocks(net.get_base_model() if c.lora is not None else net)
-        for block in blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(net, **kwargs)
-        materialize_from_rank0(net, source, self.device)
-        del source
+        if sharded:
+            mesh = init_device_mesh(device_type, (self.world_size,))
+            kwargs = {"mesh": mesh, "reshard_after_forward": c.reshard_after_forward}
+            if device_type == "cuda" and c.mixed_precision == "bfloat16":
+                kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            blocks = _decoder_blocks(net.get_base_model() if c.lora is not None else net)
+            for block in blocks:
+                fully_shard(block, **kwargs)
+            fully_shard(net, **kwargs)
+            materialize_from_rank0(net, source, self.device)
+            del source
+        else:
+            net = net.float().to(self.device)  # in place (tied parameters stay tied), as materialize casts
         self.model = net
         self._fsdp = [m for m in net.modules() if isinstance(m, FSDPModule)]
         modules: dict[str, torch.nn.Module] = {"policy": net}
@@ -133,11 +156,13 @@ class RankWorker(RankWorkerBase):
             head = torch.nn.Linear(net.config.hidden_size, 1, device=self.device)
             torch.nn.init.zeros_(head.weight)  # identical on every rank, and values start at 0
             torch.nn.init.zeros_(head.bias)
-            fully_shard(head, **kwargs)
+            if sharded:
+                fully_shard(head, **kwargs)
+                self._fsdp.append(head)  # type: ignore[arg-type]
             self.value_head = head
-            self._fsdp.append(head)  # type: ignore[arg-type]
             modules["value_head"] = head
         self.holder = torch.nn.ModuleDict(modules)
+        self.holder.eval()  # peft's new modules (lora dropout) start in training mode; log-probs never drop
         trainable = [p for p in self.holder.parameters() if p.requires_grad]  # with LoRA: the adapter (+ head)
         self.optimizer = torch.optim.AdamW(trainable, lr=c.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay)
         return {
@@ -146,6 +171,7 @@ class RankWorker(RankWorkerBase):
             "trainable_parameters": sum(p.numel() for p in trainable),
             "device": str(self.device),
             "backend": backend,
+            "sharded": sharded,
             "sharded_blocks": len(blocks),
             "architecture": self._architecture,
         }

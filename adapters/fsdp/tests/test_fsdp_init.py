@@ -65,3 +65,51 @@ def test_meta_build_has_the_hf_weights_and_buffers(tmp_path, tie):
     total = sum(p.numel() for p in want.values())
     assert all(r["local_numel"] < total for r in reports)  # each rank holds a shard, never the whole model
     assert sum(r["local_numel"] for r in reports) >= total
+
+
+def test_rank0_releases_each_source_tensor_once_sent(tmp_path, monkeypatch):
+    """One rank (gloo, in this process), a bfloat16 source: each source tensor is released once sent, so at every
+    step the source's remaining elements plus those sent stay within one model plus one tensor (no whole float32
+    copy); afterwards the source is empty and the sharded model holds the seed's weights, cast to float32, bit for
+    bit (tied embeddings sent once)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from asyncflow_fsdp import init
+    from asyncflow_fsdp.init import materialize_from_rank0, meta_skeleton
+    from asyncflow_fsdp.worker import _decoder_blocks
+
+    cfg = ModelConfig.model_validate({"hf_config": dict(TINY_QWEN2, tie_word_embeddings=True), "dtype": "bfloat16"})
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        source = build_causal_lm(cfg, seed=0)
+        assert next(source.parameters()).dtype == torch.bfloat16
+        want = {n: p.detach().float() for n, p in source.named_parameters()}
+        total = sum(t.numel() for t in want.values())
+        largest = max(t.numel() for t in want.values())
+        net = meta_skeleton(cfg)
+        mesh = init_device_mesh("cpu", (1,))
+        for block in _decoder_blocks(net):
+            fully_shard(block, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        held: list[int] = []
+        received = [0]
+        receive = init._receive
+
+        def spy(target, theirs, rank):
+            receive(target, theirs, rank)
+            received[0] += target.numel()
+            held.append(sum(p.numel() for p in source.parameters()) + received[0])
+
+        monkeypatch.setattr(init, "_receive", spy)
+        materialize_from_rank0(net, source, torch.device("cpu"))
+        got = {n: p.full_tensor() for n, p in net.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert len(held) == len(want)  # one send per tensor: the tied pair once
+    assert max(held) <= total + largest, (max(held), total)
+    assert sum(p.numel() for p in source.parameters()) == 0
+    assert list(got) == list(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name

@@ -139,6 +139,11 @@ def _rank_logprobs(worker, batch: Batch) -> RaggedTensor:
     return RaggedTensor.from_sequences(logps, dtype=torch.float32)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (a DTensor's local shard), or the tensor itself (an unsharded rank)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def test_only_the_adapter_trains_and_the_base_stays_bitwise():
     """After two steps every base shard is bitwise what it was; the adapter moved; the optimizer holds exactly
     the trainable (lora_*) parameters."""
@@ -150,12 +155,12 @@ def test_only_the_adapter_trains_and_the_base_stays_bitwise():
         assert sum(p.numel() for n, p in named.items() if n in trainable) < sum(p.numel() for p in named.values()) / 4
         in_optimizer = {id(p) for group in worker.optimizer.param_groups for p in group["params"]}
         assert in_optimizer == {id(named[n]) for n in trainable}
-        before = {n: p.to_local().detach().clone() for n, p in named.items()}
+        before = {n: _local(p).detach().clone() for n, p in named.items()}
         train = with_advantages(batch, _rank_logprobs(worker, batch), algo)
         for version in range(2):
             reply = worker.op_train(train_payload(train, algo, version))
             assert reply["stepped"] and reply["grad_norm"] > 0
-        after = {n: p.to_local().detach() for n, p in worker.model.named_parameters()}
+        after = {n: _local(p).detach() for n, p in worker.model.named_parameters()}
     for name in named:
         if name in trainable:
             continue
@@ -431,3 +436,71 @@ def test_dropout_acts_in_train_steps_only():
     first, after = run(body())
     assert torch.equal(after[0], after[1])
     assert not torch.equal(after[0], first.values)
+
+
+# ------------------------------------------------------------------ memory: chunked head, checkpointing
+
+
+def _sharded_options(**overrides) -> dict:
+    """A world-1 rank that wraps the model in FSDP2 (``shard: always`` where the engine has that option)."""
+    from asyncflow_fsdp.config import FSDPTrainConfig
+
+    extra = {"shard": "always"} if "shard" in FSDPTrainConfig.model_fields else {}
+    return options(**extra, **overrides)
+
+
+def _adapter_grads(worker, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """One forward/backward of the rank's scoring path: log-probs, the adapter's gradients, and the elements
+    autograd kept from forward to backward (parameters excluded)."""
+    kept = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            kept[0] += t.numel()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, _ = worker._score(batch, with_values=False)
+    (lp * torch.linspace(-1.0, 1.0, lp.numel())).sum().backward()
+    grads = {n: _local(p.grad).clone()
+             for n, p in worker.model.named_parameters() if p.grad is not None}
+    worker.optimizer.zero_grad(set_to_none=True)
+    return lp.detach(), grads, kept[0]
+
+
+def test_chunked_head_and_checkpointing_give_the_same_adapter_gradients(monkeypatch):
+    """On a sharded rank, the adapter's gradients from the whole-logits head, from 2-token chunks, and from chunks
+    with ``gradient_checkpointing`` (which acts in eval mode too: the rank scores without dropout) agree to
+    rounding; checkpointing keeps a fraction of the activations for backward; only the adapter gets gradients."""
+    from asyncflow_fsdp import forward
+
+    batch = sample_batch()
+    lora = {"rank": RANK, "alpha": 8}
+    runs = {}
+    with local_rank(_sharded_options(lora=lora)) as worker:
+        with torch.no_grad():  # B starts at 0: give it a value so gradients reach A as well
+            for name, p in worker.model.named_parameters():
+                if ".lora_B." in name:
+                    _local(p).fill_(0.05)
+        for label, chunk in (("whole", 0), ("chunked", 2 * VOCAB * 4)):
+            monkeypatch.setattr(forward, "LOGITS_CHUNK_BYTES", chunk)
+            runs[label] = _adapter_grads(worker, batch)
+    monkeypatch.setattr(forward, "LOGITS_CHUNK_BYTES", 2 * VOCAB * 4)
+    with local_rank(_sharded_options(lora=lora, gradient_checkpointing=True)) as worker:
+        with torch.no_grad():
+            for name, p in worker.model.named_parameters():
+                if ".lora_B." in name:
+                    _local(p).fill_(0.05)
+        modes = [m.training for m in worker.model.modules()]
+        runs["checkpointed"] = _adapter_grads(worker, batch)
+        assert [m.training for m in worker.model.modules()] == modes  # the layers' modes are restored
+    want_lp, want, kept_whole = runs["whole"]
+    assert want and all(".lora_" in n for n in want)
+    terms = 2 * FORWARD_TERMS + want_lp.numel()
+    for label in ("chunked", "checkpointed"):
+        lp, grads, _ = runs[label]
+        assert torch.allclose(lp, want_lp, rtol=0, atol=tol_of(want_lp)), label
+        assert set(grads) == set(want), label
+        for name, g in want.items():
+            assert float((grads[name] - g).abs().max()) <= rounding_tol(terms, float(g.abs().max())), (label, name)
+    assert runs["checkpointed"][2] < kept_whole / 3  # the layers' activations are recomputed, not kept
