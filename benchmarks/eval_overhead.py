@@ -27,13 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 ASYNCFLOW = str(Path(sys.executable).parent / "asyncflow")
 
 
-def eval_section(every: int, prompts: int, samples: int) -> dict:
-    return {
+def eval_section(every: int, prompts: int, samples: int, priority: float | None) -> dict:
+    section = {
         "datasets": [{"name": "arithmetic", "label": "held_out", "max_prompts": prompts,
                       "options": {"size": prompts, "operators": "+", "min_digits": 1, "max_digits": 1, "seed": 1}}],
         "every_steps": every, "samples_per_prompt": samples, "metrics": ["pass@1", "pass@k", "mean_reward"],
         "at_start": False, "at_end": True,
     }
+    if priority is not None:
+        section["priority"] = priority
+    return section
 
 
 def one_run(config: Path, run_dir: Path, steps: int) -> dict:
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--pairs", type=int, default=2)
+    ap.add_argument("--priority", type=float, default=None,
+                    help="eval.priority, the share of a replica's slots eval may take (default: the config's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     base = yaml.safe_load((ROOT / "examples" / "arithmetic_grpo.yaml").read_text())
@@ -66,7 +71,7 @@ def main() -> None:
         tmp_path = Path(tmp)
         plain, with_eval = tmp_path / "plain.yaml", tmp_path / "eval.yaml"
         plain.write_text(yaml.safe_dump(base))
-        with_eval.write_text(yaml.safe_dump({**base, "eval": eval_section(args.every, args.prompts, args.samples)}))
+        with_eval.write_text(yaml.safe_dump({**base, "eval": eval_section(args.every, args.prompts, args.samples, args.priority)}))
         rows: list[dict] = []
         for i in range(args.pairs):  # alternate, so a change in the machine's load hits both sides alike
             for name, cfg in (("no eval", plain), (f"eval every {args.every}", with_eval)):
