@@ -41,7 +41,6 @@ HIDDEN = TINY_QWEN2["hidden_size"]
 LAYERS = TINY_QWEN2["num_hidden_layers"]
 CPU = torch.device("cpu")
 U32 = torch.finfo(torch.float32).eps / 2
-LAMBDA = 6.0
 LORA_RANK = 4
 #: additions on one logit's path in TINY_QWEN2 (as in test_fsdp_engine), plus each adapter's rank-r sums
 FORWARD_TERMS = (LAYERS * (6 * HIDDEN + TINY_QWEN2["intermediate_size"] + 7 * LORA_RANK) + 2 * HIDDEN + VOCAB)
@@ -59,8 +58,10 @@ def gamma(n: int) -> float:
 
 
 def rounding_tol(terms: int, magnitude: float) -> float:
-    """Two float32 computations of one quantity that differ only in the order of ``terms`` additions."""
-    return 2 * LAMBDA * math.sqrt(terms) * U32 * magnitude
+    """Two float32 computations of one quantity that differ only in the order of ``terms`` additions: each is
+    within ``gamma(terms) * magnitude`` of the exact value (Higham's worst-case summation bound, not the
+    sqrt(terms) rule of thumb, which one unseeded LoRA gradient exceeded)."""
+    return 2 * gamma(terms) * magnitude
 
 
 def model(kind: str, tie: bool = False) -> torch.nn.Module:
@@ -69,6 +70,9 @@ def model(kind: str, tie: bool = False) -> torch.nn.Module:
         pytest.importorskip("peft", reason="LoRA needs peft (pip install 'asyncflow[lora]')")
         from asyncflow_core.types.adapter import LoraSpec, wrap
 
+        # peft draws lora_A from torch's global generator: seed it, so the model does not depend on which tests
+        # ran before (under the whole suite an unseeded draw once landed on a case the bound below missed)
+        torch.manual_seed(1)
         net = wrap(net, LoraSpec(rank=LORA_RANK, alpha=8))
         with torch.no_grad():  # B starts at 0: give the adapter a value so its gradients flow both ways
             for name, p in net.named_parameters():
