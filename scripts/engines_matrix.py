@@ -105,10 +105,11 @@ GPU_PATHS: tuple[tuple[str, str], ...] = (
              "NCCL waits end at the update's deadline; read-back of vocab-padded tensors under tensor parallelism"),
     ("sglang", "SGLang 0.5.20-0.5.23 only, read from their source; tested against the adapter's protocol fake "
                "(`asyncflow_sglang.testing`), never against a real server"),
-    ("fsdp", "CUDA: the sharded model is built on the meta device with weights broadcast from rank 0, so only "
-             "rank 0 holds the whole model in CPU memory; bf16 mixed precision; NCCL ranks pinned to their devices"),
-    ("megatron", "CUDA: checkpoints load into a fresh engine, optimizer state included; with the distributed "
-                 "optimizer they reshard across DP only; TP/PP/DP layouts and the fused softmax only where its "
+    ("fsdp", "CUDA at world 2: the sharded model is built on the meta device with weights broadcast from rank 0, "
+             "so only rank 0 holds the whole model in CPU memory; NCCL ranks pinned to their devices (world 1 with "
+             "bf16 mixed precision ran)"),
+    ("megatron", "CUDA: the bf16 fresh-engine load with the distributed optimizer (fixed after the first run, not "
+                 "rerun); TP/PP/DP layouts over NCCL; Transformer Engine; the fused softmax only where its "
                  "extension imports"),
     ("dist transport / distributed store", "NCCL: each rank's device chosen from `device`, `LOCAL_RANK` or the "
                                            "constructing thread and set in every helper thread; one NCCL lane per "
@@ -264,9 +265,10 @@ def render(outcomes: list[Outcome]) -> str:
         notes = [o for o in ran + rest if o.backend.note]
         lines += [f"- `{o.backend.name}`: {o.backend.note}." for o in notes] + ([""] if notes else [])
     lines += ["## GPU paths: fixed by reading, never run", "",
-              "This machine has no GPU. These paths were written and fixed against the upstream source at the "
-              "pinned versions and are checked by `gpu`-marked tests (`make test-gpu`) that no CUDA host has run "
-              "yet; a line leaves this list when such a run passes.", ""]
+              "These paths were written and fixed against the upstream source at the pinned versions and are "
+              "checked by `gpu`-marked tests (`make test-gpu`) that no CUDA host has run yet; a line leaves this "
+              "list when such a run passes. What the one CUDA run so far (one H100) passed and found is in "
+              "docs/gpu-runs.md.", ""]
     lines += [f"- `{name}`: {text}." for name, text in GPU_PATHS] + [""]
     lines += ["## How each backend was run", "",
               "Wall-clock seconds of the whole run, interpreter start-up included (they vary with the machine's load).",

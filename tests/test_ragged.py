@@ -101,3 +101,23 @@ def test_batch_select_and_cat_keep_rows_together(data, draw):
 def test_batch_rejects_columns_of_different_lengths():
     with pytest.raises(BatchError, match="disagree on the number of rows"):
         Batch({"a": torch.zeros(3), "b": RaggedTensor.from_sequences([[1], [2]])})
+
+
+
+def _two_column_batch() -> Batch:
+    return Batch({"ids": RaggedTensor.from_sequences([[1, 2], [3]]), "reward": torch.tensor([0.5, 1.0])})
+
+
+def test_batch_to_its_own_device_is_the_batch_itself():
+    batch = _two_column_batch()
+    assert batch.to("cpu") is batch and batch.to(torch.device("cpu")) is batch  # no copy
+
+
+@pytest.mark.gpu
+def test_batch_to_moves_every_column_and_its_offsets():
+    """A trainer's loss combines the micro-batch with log-probs on the rank's device."""
+    batch = _two_column_batch()
+    moved = batch.to("cuda")
+    assert moved.num_rows == 2 and moved.columns == batch.columns
+    assert moved["ids"].values.is_cuda and moved["ids"].offsets.is_cuda and moved["reward"].is_cuda
+    assert moved["ids"].to("cpu").equal(batch["ids"])

@@ -87,6 +87,14 @@ class Batch(Mapping[str, Column]):
         """A new batch holding only ``names`` (in that order)."""
         return Batch({n: self[n] for n in names}, row_ids=self.row_ids, num_rows=self._num_rows)
 
+    def to(self, device: torch.device | str) -> Batch:
+        """Every column on ``device`` (this batch itself when they all are already there)."""
+        device = torch.device(device)
+        if all(_device_of(c) == device for c in self._columns.values()):
+            return self
+        cols = {n: c.to(device) for n, c in self._columns.items()}
+        return Batch(cols, row_ids=self.row_ids, num_rows=self._num_rows)
+
     def select(self, index: torch.Tensor | Sequence[int] | slice) -> Batch:
         """Rows by index tensor/list or slice, every column alike."""
         if isinstance(index, slice):
@@ -131,3 +139,7 @@ class Batch(Mapping[str, Column]):
             for n, c in self._columns.items()
         )
         return f"Batch(rows={self._num_rows}, {{{cols}}})"
+
+
+def _device_of(column: Column) -> torch.device:
+    return column.values.device if isinstance(column, RaggedTensor) else column.device

@@ -44,7 +44,10 @@ def build_causal_lm(model: ModelConfig, *, seed: int = 0, device: str | torch.de
                 model.path, config=cfg, dtype=dtype, trust_remote_code=model.trust_remote_code, local_files_only=True
             )
         else:
-            fork = [torch.device(device).index] if torch.device(device).type == "cuda" else []
+            # the weights are drawn on the CPU; manual_seed also reseeds CUDA, whose state the fork restores.
+            # A bare "cuda" has no index: fork_rng needs one (torch.cuda.get_rng_state reads device.index)
+            where = torch.device(device)
+            fork = [torch.cuda.current_device() if where.index is None else where.index] if where.type == "cuda" else []
             with torch.random.fork_rng(devices=fork):
                 torch.manual_seed(seed)
                 net = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)

@@ -257,6 +257,8 @@ class RankWorker(RankWorkerBase):
                 mb = batch.select(parts[k])
                 offsets = mb["response_ids"].offsets
                 lp, v = self._score(mb, with_values=want_values)
+                # the loss combines the micro-batch's columns with the log-probs on the rank's device
+                mb, offsets = mb.to(lp.device), offsets.to(lp.device)
                 if value_preds:
                     mb = mb.with_columns(**{C.VALUE_PREDS: RaggedTensor(v, offsets)})
                 loss, metrics = algorithm.loss(RaggedTensor(lp, offsets), mb, ctx)

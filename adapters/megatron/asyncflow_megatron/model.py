@@ -125,7 +125,7 @@ def build_gpt_model(arch: Architecture, config: TransformerConfig, *, impl: str)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    return GPTModel(
+    net = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.padded_vocab_size(tp),
@@ -138,3 +138,23 @@ def build_gpt_model(arch: Architecture, config: TransformerConfig, *, impl: str)
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta) if float(arch.rope_theta).is_integer() else arch.rope_theta,
     )
+    return uniform_params_dtype(net, config.params_dtype)
+
+
+def uniform_params_dtype(net: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Every floating parameter of ``net`` in ``dtype``, in place (Megatron-LM's ``Float16Module`` does the same).
+
+    The local layer spec's norms without Apex are ``torch.nn.RMSNorm`` built
+    in float32 whatever ``params_dtype`` says. megatron-core 0.16.1's
+    ``DistributedOptimizer`` cannot hold a param group that mixes float32 and
+    bf16 parameters: ``_build_model_and_main_param_groups`` reorders the
+    group's main params as [float32..., from-bf16...] while
+    ``model_param_group_index_map`` keeps the model's order, so the
+    checkpoint pairs a norm's 32-element state with another parameter's
+    range (``distrib_optimizer.py``, ``sharded_param_state_dp_reshardable``'s
+    shape assertion; seen on the first CUDA run).
+    """
+    for p in net.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return net

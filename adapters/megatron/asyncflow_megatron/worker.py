@@ -252,7 +252,7 @@ class RankWorker(rw.RankWorkerBase):
                 loss = lp.sum() * 0.0
                 n = 0
             else:
-                loss, metrics = algorithm.loss(RaggedTensor(lp, lay.offsets.to(lp.device)), _on(mb, lp.device), ctx)
+                loss, metrics = algorithm.loss(RaggedTensor(lp, lay.offsets.to(lp.device)), mb.to(lp.device), ctx)
                 n = LossContext.count_tokens(mb)  # the tokens the loss applies to (loss_mask)
                 stats["loss_sum"] += float(loss.detach())
                 stats["tokens"] += n
@@ -444,13 +444,6 @@ class RankWorker(rw.RankWorkerBase):
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM"}
-
-
-def _on(batch: Batch, device: torch.device) -> Batch:
-    """The micro-batch's columns on ``device`` (the algorithm's loss combines them with the log-probs there)."""
-    if device.type == "cpu":
-        return batch
-    return Batch({name: col.to(device) for name, col in batch.items()}, num_rows=batch.num_rows)
 
 
 def _stop_checkpoint_writer() -> None:

@@ -232,6 +232,23 @@ def test_transformer_config_follows_the_hf_config():
     assert gpu.bias_activation_fusion and not gpu.use_cpu_initialization and gpu.perform_initialization
 
 
+@needs_megatron
+def test_a_bf16_stage_holds_no_float32_parameter():
+    """The torch RMSNorm of the local spec is float32 whatever params_dtype says; the stage is cast whole.
+
+    megatron-core 0.16.1's DistributedOptimizer mis-pairs state and ranges in a param group that mixes
+    float32 and bf16 parameters (seen on the first CUDA run: the bf16 checkpoint save asserted).
+    """
+    from asyncflow_megatron.model import uniform_params_dtype
+
+    stage = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=torch.bfloat16), torch.nn.RMSNorm(4))
+    stage.register_buffer("inv_freq", torch.ones(2))
+    assert {p.dtype for p in stage.parameters()} == {torch.bfloat16, torch.float32}
+    uniform_params_dtype(stage, torch.bfloat16)
+    assert {p.dtype for p in stage.parameters()} == {torch.bfloat16}
+    assert stage.inv_freq.dtype == torch.float32  # buffers (rotary frequencies) keep their precision
+
+
 # ------------------------------------------------------------------ weight layout
 
 
