@@ -28,6 +28,7 @@ from asyncflow_core.errors import ConfigError  # noqa: E402
 from asyncflow_core.launchers.ray import remote as R  # noqa: E402
 from asyncflow_core.launchers.ray.launcher import RayLauncher  # noqa: E402
 from asyncflow_core.types import RewardInput  # noqa: E402
+from tests.launchers.ray_kill import kill_and_wait  # noqa: E402
 from tests.test_rewards_model_roles import reward_model_checkpoint  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "toy_grpo.yaml"
@@ -77,17 +78,8 @@ def test_the_reward_model_is_one_actor_for_the_run_and_a_killed_one_fails_its_ba
         if method == "score_many" and self.role == "reward_model/0" and not kills:
             kills.append(self.role)
             actor = self.actor
-            ray.kill(actor, no_restart=True)
-            # ray.kill goes through the GCS while a call goes straight to the actor: wait for the death to show, so
-            # the batch the reward dispatched to this replica is the one that meets it
-            for _ in range(200):
-                try:
-                    await actor.health.remote()
-                except ray.exceptions.RayActorError:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                pytest.fail("the killed reward-model actor still answered 10 s after ray.kill")
+            # the batch the reward dispatched to this replica is the one that meets the death
+            await kill_and_wait(actor, "reward-model actor")
         return await call(self, method, *args, timeout=timeout)
 
     async def record(launcher):
@@ -173,11 +165,7 @@ def test_a_judge_is_frozen_rollout_actors_of_its_own_and_a_killed_one_is_replace
             first = await reward.score_many(samples, 120.0)
             [engine] = [r.engine for r in reward._pool]
             pid = engine.pid
-            ray.kill(engine.actor, no_restart=True)
-            with pytest.raises(ray.exceptions.RayActorError):
-                for _ in range(200):  # wait for the death to show (ray.kill goes through the GCS)
-                    await engine.actor.health.remote()
-                    await asyncio.sleep(0.05)
+            await kill_and_wait(engine.actor, "reward-model actor")
             killed = await reward.score_many(samples, 120.0)
             after = await reward.score_many(samples, 120.0)  # waits for the replacement, then is judged
             return first, killed, after, pid, engine.pid

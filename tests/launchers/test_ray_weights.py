@@ -26,6 +26,7 @@ from asyncflow_core.launchers.ray.weights import HandleTransport, RayWeights, We
 from asyncflow_core.types import pack_buckets  # noqa: E402
 from asyncflow_plugins.toy.policy import PARAM_NAME  # noqa: E402
 
+from .ray_kill import kill_and_wait  # noqa: E402
 from .test_ray_launcher import _runtime_ctx, config, trained  # noqa: E402
 
 STEPS = 4
@@ -140,17 +141,7 @@ def test_a_replica_killed_during_a_broadcast_costs_no_deadline_and_catches_up_af
                          and p.watched.role == "rollout/1")
             killed.append(proxy.pid)
             actor = proxy.actor
-            ray.kill(actor, no_restart=True)
-            # ray.kill goes through the GCS while a call goes straight to the actor: a call made at once may still
-            # be served, so wait for the death to show before the send goes out
-            for _ in range(200):
-                try:
-                    await actor.health.remote()
-                except ray.exceptions.RayActorError:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                pytest.fail("the killed rollout actor still answered 10 s after ray.kill")
+            await kill_and_wait(actor, "rollout actor")  # the send below meets the death
         t0 = time.monotonic()
         try:
             out = await call(self, method, *args, timeout=timeout)

@@ -84,7 +84,58 @@ class _Description:
 # ------------------------------------------------------------------------------------------ rollout
 
 
-class RemoteRolloutEngine(RolloutEngine):
+class _RestartableProxy:
+    """What every proxy of a restartable actor shares: the actor, why it was lost, replacing it, ending it.
+
+    A subclass sets ``watched``, ``max_restarts``, ``restarts``, ``counters``,
+    ``restart_counter`` and ``_shut``, and may refresh what it caches of the
+    old actor in :meth:`_after_spawn`.
+    """
+
+    watched: WatchedActor
+    max_restarts: int
+    restarts: int
+    counters: Counter[str]
+    restart_counter: str
+    _shut: bool
+
+    @property
+    def actor(self) -> Any:
+        return self.watched.actor
+
+    @property
+    def lost(self) -> RoleLost | None:
+        """Why its actor was declared lost (death, heartbeat), or None while it is taken to be alive."""
+        return self.watched.lost
+
+    async def _replace(self) -> None:
+        if self.restarts >= self.max_restarts:
+            raise EngineError(f"{self.watched.role}: no restarts left (launcher.options.max_restarts="
+                              f"{self.max_restarts})")
+        self.restarts += 1
+        self.counters[self.restart_counter] += 1
+        self.watched.kill()
+        self.watched.spawn()
+        self._after_spawn()
+
+    def _after_spawn(self) -> None:
+        """Forget what was cached of the replaced actor (nothing by default)."""
+
+    async def health(self) -> Any:
+        return await self.watched.call("health", timeout=self.watched.heartbeat_timeout_s)
+
+    async def shutdown(self) -> None:
+        """Shut the role down inside its actor, then end the actor. Safe to call twice."""
+        if self.watched.lost is None and not self._shut:
+            self._shut = True
+            try:
+                await self.watched.call("shutdown", timeout=30)
+            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
+                log.warning("%s: shutdown: %s", self.watched.role, exc)
+        self.watched.kill()
+
+
+class RemoteRolloutEngine(_RestartableProxy, RolloutEngine):
     """A :class:`RolloutEngine` whose engine lives in a Ray actor (see :class:`~.actors.RolloutActor`).
 
     Weights arrive as :class:`~.handles.WeightHandle` s under
@@ -130,15 +181,6 @@ class RemoteRolloutEngine(RolloutEngine):
     def pid(self) -> int:
         return int(self._desc.get()["pid"])
 
-    @property
-    def actor(self) -> Any:
-        return self.watched.actor
-
-    @property
-    def lost(self) -> RoleLost | None:
-        """Why its actor was declared lost (death, heartbeat), or None while it is taken to be alive."""
-        return self.watched.lost
-
     def configure_adapter(self, spec: Any) -> None:  # type: ignore[override]
         """Kept and handed to the actor's engine in :meth:`start` (before it loads), for this actor and every
         actor that replaces it."""
@@ -167,14 +209,7 @@ class RemoteRolloutEngine(RolloutEngine):
         await self._replace()
         await self.start()
 
-    async def _replace(self) -> None:
-        if self.restarts >= self.max_restarts:
-            raise EngineError(f"{self.watched.role}: no restarts left (launcher.options.max_restarts="
-                              f"{self.max_restarts})")
-        self.restarts += 1
-        self.counters[self.restart_counter] += 1
-        self.watched.kill()
-        self.watched.spawn()
+    def _after_spawn(self) -> None:
         self._desc = _Description(self.watched)
 
     async def generate(  # type: ignore[override]
@@ -252,17 +287,7 @@ class RemoteRolloutEngine(RolloutEngine):
         await self.watched.call("wake_up", timeout=self.deadline_s)
 
     async def health(self) -> Health:
-        return await self.watched.call("health", timeout=self.watched.heartbeat_timeout_s)
-
-    async def shutdown(self) -> None:
-        """Shut the engine down inside its actor, then end the actor. Safe to call twice."""
-        if self.watched.lost is None and not self._shut:
-            self._shut = True
-            try:
-                await self.watched.call("shutdown", timeout=30)
-            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
-                log.warning("%s: shutdown: %s", self.watched.role, exc)
-        self.watched.kill()
+        return await super().health()
 
 
 # -------------------------------------------------------------------------------------------- train
@@ -417,7 +442,7 @@ class RemoteRewardPool:
             w.kill()
 
 
-class RemoteRewardModel:
+class RemoteRewardModel(_RestartableProxy):
     """One reward-model replica in a Ray actor (see :class:`~.actors.RewardModelActor`), as the reward in the
     driver sees a replica: ``start``, ``score_many``, ``restart``, ``shutdown``.
 
@@ -438,6 +463,7 @@ class RemoteRewardModel:
         self.restarts = 0
         self.counters = counters
         self.start_timeout_s = start_timeout_s  #: loading a model may take a while (the heartbeat still runs)
+        self.restart_counter = "reward_model_restarts"
         self._shut = False
 
     @property
@@ -445,15 +471,6 @@ class RemoteRewardModel:
         from asyncflow_core.interfaces.features import RolloutFeatures
 
         return RolloutFeatures(supports_restart=self.max_restarts > 0)
-
-    @property
-    def actor(self) -> Any:
-        return self.watched.actor
-
-    @property
-    def lost(self) -> RoleLost | None:
-        """Why its actor was declared lost (death, heartbeat), or None while it is taken to be alive."""
-        return self.watched.lost
 
     async def describe(self) -> dict[str, Any]:
         """The actor's pid (the process that holds the model)."""
@@ -479,27 +496,6 @@ class RemoteRewardModel:
         await self._replace()
         await self.start()
 
-    async def _replace(self) -> None:
-        if self.restarts >= self.max_restarts:
-            raise EngineError(f"{self.watched.role}: no restarts left (launcher.options.max_restarts="
-                              f"{self.max_restarts})")
-        self.restarts += 1
-        self.counters["reward_model_restarts"] += 1
-        self.watched.kill()
-        self.watched.spawn()
-
-    async def health(self) -> bool:
-        return await self.watched.call("health", timeout=self.watched.heartbeat_timeout_s)
-
-    async def shutdown(self) -> None:
-        """Release the model inside its actor, then end the actor. Safe to call twice."""
-        if self.watched.lost is None and not self._shut:
-            self._shut = True
-            try:
-                await self.watched.call("shutdown", timeout=30)
-            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
-                log.warning("%s: shutdown: %s", self.watched.role, exc)
-        self.watched.kill()
 
 
 #: RoleLost, RoleTimeout and WatchedActor live in :mod:`.watch`; named here too, where the proxies' callers look
