@@ -53,6 +53,26 @@ class TestArithmeticRewardSpec(RewardSpec):
     )
 
 
+def test_the_suite_fails_a_reward_that_returns_an_undeclared_extra_value():
+    """The reward stage keeps declared extras only: a reward returning ``correct`` without declaring it would lose
+    that column silently (a warning), so the spec must fail it."""
+    honest = get_plugin_manager().create("reward", "arithmetic", {})
+    sample = TestArithmeticRewardSpec.samples[0]
+    value = honest.score(sample)
+    assert isinstance(value, dict) and set(value) - {"reward"}, "the arithmetic reward returns extra values"
+    RewardSpec().test_every_extra_value_it_returns_is_declared(lambda: honest)
+
+    class Undeclared(type(honest)):
+        extras = ()
+
+        @property
+        def features(self):
+            return type(honest.features)(**{**honest.features.model_dump(), "extras": ()})
+
+    lying = Undeclared(honest.config)
+    with pytest.raises(AssertionError, match="returns undeclared extra values"):
+        RewardSpec().test_every_extra_value_it_returns_is_declared(lambda: lying)
+
 def test_arithmetic_records_are_deterministic_and_seed_dependent():
     a = dataset("arithmetic", size=200, seed=3)
     b = dataset("arithmetic", size=200, seed=3)

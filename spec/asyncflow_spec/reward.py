@@ -68,3 +68,15 @@ class RewardSpec(BackendSpec):
             value = run(self._score(reward, blank))
             scalar = value["reward"] if isinstance(value, dict) else value
             assert isinstance(scalar, float) and scalar == scalar, f"bad reward {value!r} without text"
+
+    def test_every_extra_value_it_returns_is_declared(self, make_backend):
+        """A mapping's keys other than ``"reward"`` are store columns only when declared: the reward stage keeps
+        ``RewardFeatures.extras`` (``reward_extra/<key>``) and drops the rest with a warning. Fix: name each
+        extra key in ``RewardFeatures.extras`` (or the class attribute ``extras``), or stop returning it."""
+        reward: Reward = make_backend()
+        declared = set(reward_features(reward).extras)
+        for sample in self.samples:
+            value = run(self._score(reward, sample))
+            if isinstance(value, dict):
+                undeclared = sorted(set(value) - {"reward"} - declared)
+                assert not undeclared, f"returns undeclared extra values {undeclared}; declared: {sorted(declared)}"
