@@ -63,6 +63,11 @@ class StoreFeatures(Features):
     deployment: str = Field("inprocess", description="Where rows live: inprocess, multiprocess, distributed or ray.")
     zero_copy_get: bool = Field(False, description="get() returns views of stored tensors, not copies.")
     supports_checkpoint: bool = Field(True, description="state_dict()/load_state_dict() save and restore progress.")
+    supports_lease_renewal: bool = Field(
+        True, description="renew(meta) pushes a live lease's deadline to now + lease_s, so a consumer that holds rows "
+        "longer than one lease (a long agentic episode) keeps them; off: renew raises UnsupportedFeatureError and "
+        "such work must ask get_meta for a lease_s longer than it ever runs."
+    )
 
 
 class TransportFeatures(Features):

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from asyncflow_core.errors import UnsupportedFeatureError
 from asyncflow_core.interfaces.features import StoreFeatures
 from asyncflow_core.types import Batch, Column
 
@@ -140,6 +141,26 @@ class StreamStore(abc.ABC):
     @abc.abstractmethod
     async def release(self, meta: BatchMeta) -> None:
         """Return a lease's rows to free for its task without processing them."""
+
+    async def renew(self, meta: BatchMeta, *, lease_s: float | None = None) -> float | None:
+        """Keep a lease: push its deadline to now + ``lease_s`` (default: the ``lease_s`` it was granted with).
+
+        Returns the new deadline (the store's monotonic clock, like
+        ``meta.deadline``), or ``None`` when the lease is no longer held:
+        acknowledged, released, expired, freed by ``declare_dead`` or
+        ``clear``, or held before ``load_state_dict``. ``None`` is an
+        answer, not an error: the rows may already be leased to someone
+        else, so stop working on them (their ``ack`` raises ``LeaseError``).
+        A meta that is not a lease raises ``LeaseError``.
+
+        Optional: a store that does not renew leaves this default, which
+        raises :class:`~asyncflow_core.errors.UnsupportedFeatureError`, and
+        declares ``features.supports_lease_renewal = False``.
+        """
+        raise UnsupportedFeatureError(
+            f"{type(self).__name__} cannot renew leases (features.supports_lease_renewal is False); lease with a "
+            "lease_s longer than the work on the rows takes"
+        )
 
     @abc.abstractmethod
     async def declare_dead(self, consumer: str) -> int:

@@ -4,6 +4,7 @@
 - :class:`~asyncflow_core.store.storage.StorageUnit`: column values, dense and packed ragged.
 - :class:`~asyncflow_core.store.inprocess.InProcessStore`: both in the caller's process (the default).
 - :class:`~asyncflow_core.store.sync.SyncStore`: blocking facade over any store for non-async code.
+- :class:`~asyncflow_core.store.lease.LeaseKeeper`: renews a lease held longer than one ``lease_s`` (an episode).
 
 Other deployments live in ``asyncflow_core.store.deployments`` and reuse the first two.
 """
@@ -20,6 +21,7 @@ from asyncflow_core.store.errors import (
     UnknownColumnError,
     UnknownRowError,
 )
+from asyncflow_core.store.lease import LeaseKeeper
 from asyncflow_core.store.storage import StorageUnit
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "Controller",
     "InvalidRequestError",
     "LeaseError",
+    "LeaseKeeper",
     "StorageUnit",
     "StoreClosedError",
     "StoreError",

@@ -21,6 +21,7 @@ Public methods (stable):
   consumer, dp_rank, dp_size, now) -> BatchMeta | None``
 - ``is_end_of_stream(task, columns, min_version=None, partition=None) -> bool``
 - ``ack(lease_id, now=None) -> int`` / ``release(lease_id, now=None) -> int``
+- ``renew(lease_id, lease_s=None, now=None) -> bool``  (a live lease's deadline becomes ``now + lease_s``; False: gone)
 - ``expire(now) -> tuple[list[int], float | None]``  (expired lease ids, next deadline)
 - ``next_deadline() -> float | None``
 - ``any_ready(row_ids, columns) -> bool``  (after a write: can a blocked lease of ``columns`` now succeed?)
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -225,7 +227,8 @@ class Controller:
         self._next_lease_id = 1
         self._live = 0
         self._dead = 0
-        self._counters = {"rows_put": 0, "rows_done": 0, "rows_dropped": 0, "leases_expired": 0, "leases_granted": 0}
+        self._counters = {"rows_put": 0, "rows_done": 0, "rows_dropped": 0, "leases_expired": 0, "leases_granted": 0,
+                          "leases_renewed": 0}
 
     @property
     def capacity(self) -> int:
@@ -973,6 +976,47 @@ class Controller:
         """Return the lease's rows to free for its task; returns the number of rows freed."""
         self._take_lease(lease_id, "release")
         return self._finish(lease_id, "released", FREE)
+
+    def renew(self, lease_id: int, lease_s: float | None = None, now: float | None = None) -> bool:
+        """Extend a live lease: its deadline becomes ``now + lease_s``; returns whether the lease was live.
+
+        ``lease_s`` defaults to the lease's own length (what ``try_lease`` was
+        given); a new value also becomes the length later renewals use.
+        ``now=None`` reads ``time.monotonic()``, the deployments' clock. False for a lease
+        that was handed out and is no longer held (nothing changes): acknowledged,
+        released, expired, freed because its consumer was declared dead, its
+        rows cleared, or held before a ``load_state_dict`` (which frees every
+        lease). Its rows may be someone else's by now: stop working on them,
+        the ack would raise ``LeaseError``. A lease whose deadline passed
+        (``now >= deadline``) and that :meth:`expire` has not reached yet is
+        expired here (its rows go back to free) and answers False, as ``ack``
+        does: a deadline is never moved once it has passed.
+
+        ``InvalidRequestError`` for a ``lease_s`` that is not positive;
+        ``LeaseError`` for an id no lease ever had (a meta from ``put``, or
+        another store's lease): a bug in the caller, not an outcome.
+        """
+        if lease_s is not None and not (isinstance(lease_s, (int, float)) and 0 < lease_s < float("inf")):
+            raise InvalidRequestError(f"lease_s must be a positive number of seconds, got {lease_s!r}")
+        lease = self._leases.get(lease_id) if isinstance(lease_id, int) else None
+        if lease is None:
+            if isinstance(lease_id, int) and not isinstance(lease_id, bool) and 1 <= lease_id < self._next_lease_id:
+                return False  # handed out once, finished since (its reason may have left _finished's window)
+            raise LeaseError(
+                f"cannot renew lease {lease_id!r}: no such lease was handed out. Renew the meta that get_meta() "
+                "returned"
+            )
+        t = time.monotonic() if now is None else float(now)
+        if t >= lease.deadline:
+            self._finish(lease_id, "expired", FREE)
+            self._counters["leases_expired"] += 1
+            return False
+        if lease_s is not None:
+            lease.lease_s = float(lease_s)
+        lease.deadline = t + lease.lease_s
+        self._push_deadline(lease.deadline, lease_id)
+        self._counters["leases_renewed"] += 1
+        return True
 
     def expire(self, now: float) -> tuple[list[int], float | None]:
         """Free every lease whose deadline is ``<= now``; returns (expired lease ids, earliest remaining deadline)."""

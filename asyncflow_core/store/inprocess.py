@@ -391,6 +391,22 @@ class InProcessStore(StreamStore):
 
         self._call(do, wakes=wakes)
 
+    async def renew(self, meta: BatchMeta, *, lease_s: float | None = None) -> float | None:
+        if meta.lease_id is None:
+            raise LeaseError("this meta holds no lease (put() returns rows, not leases); renew what get_meta() "
+                             "returned")
+        wakes: list[str] = []
+
+        def do() -> float | None:
+            task = self._lease_task(meta)
+            if self.controller.renew(meta.lease_id, lease_s, now=self._clock()):
+                return self.controller.lease_info(meta.lease_id)["deadline"]
+            if task is not None:  # it was live until this call found its deadline passed: its rows are free now
+                wakes.append(_task_event(task))
+            return None
+
+        return self._call(do, wakes=wakes)
+
     async def declare_dead(self, consumer: str) -> int:
         return self._call(lambda: self.controller.declare_dead(consumer))
 

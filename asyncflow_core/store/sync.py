@@ -77,6 +77,10 @@ class SyncStore:
         """See :meth:`StreamStore.release`."""
         return self._run(self.store.release(meta))
 
+    def renew(self, meta: BatchMeta, *, lease_s: float | None = None) -> float | None:
+        """See :meth:`StreamStore.renew`."""
+        return self._run(self.store.renew(meta, lease_s=lease_s))
+
     def declare_dead(self, consumer: str) -> int:
         """See :meth:`StreamStore.declare_dead`."""
         return self._run(self.store.declare_dead(consumer))

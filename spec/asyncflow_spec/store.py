@@ -20,6 +20,11 @@ A deployment's test module::
 never by sleeping. A deployment whose clock cannot be injected (the
 controller lives in another process) sets ``fake_clock = False`` and the
 expiry tests skip.
+
+Lease renewal (``renew``) is optional: a store that declares
+``supports_lease_renewal=False`` gets its ``UnsupportedFeatureError``
+checked instead, and builds its model check with
+``make_store_state_machine(..., renewal=False)``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from asyncflow_core.store.errors import (
     UnknownRowError,
 )
 from asyncflow_core.types import RaggedTensor
-from asyncflow_spec.base import BackendSpec, run
+from asyncflow_spec.base import BackendSpec, expect_unsupported, forbid, require, run
 
 STATS_KEYS = ("rows_live", "rows_leased", "rows_done", "rows_dropped", "bytes_stored")
 
@@ -210,6 +215,84 @@ class StoreSpec(BackendSpec):
             await store.ack(m2)
             with pytest.raises(LeaseError):
                 await store.ack(m2)
+            await store.close()
+
+        run(go())
+
+    # ------------------------------------------------------------------ lease renewal (optional)
+
+    def test_renew_keeps_a_lease_past_its_first_deadline(self, make_store, clock):
+        """``renew(meta)`` pushes a live lease's deadline to now + lease_s and returns it; the rows stay leased
+        past the first deadline and the ack still works. Fix ``renew`` (or declare supports_lease_renewal=False).
+        With the injected clock the old deadline is passed for real; without it only the answers are checked."""
+
+        async def go():
+            store = make_store(lease_s=10.0)
+            require(store.features, "supports_lease_renewal")
+            await _setup_tasks(store)
+            await store.put({"prompt_ids": _ragged([[1]]), "response_ids": _ragged([[2]])})
+            m = await store.get_meta("reward", ["response_ids"], 1, timeout=5)
+            if self.fake_clock:
+                clock.advance(6.0)
+                assert await store.renew(m) == pytest.approx(clock.now + 10.0)
+                clock.advance(6.0)  # past the lease's first deadline, inside the renewed one
+                assert await store.renew(m, lease_s=30.0) == pytest.approx(clock.now + 30.0)
+                clock.advance(29.0)
+            else:
+                first = await store.renew(m)
+                assert isinstance(first, float) and first >= m.deadline
+                assert await store.renew(m, lease_s=30.0) >= first + 19.0
+            with pytest.raises(StoreTimeoutError):  # still held: not handed out again
+                await store.get_meta("reward", ["response_ids"], 1, timeout=0)
+            with pytest.raises(InvalidRequestError):
+                await store.renew(m, lease_s=0.0)
+            await store.ack(m)
+            assert (await store.stats())["rows_leased"] == 0
+            await store.close()
+
+        run(go())
+
+    def test_renew_answers_none_once_the_lease_is_not_held(self, make_store, clock):
+        """A lease acknowledged, released, freed by ``declare_dead`` or (injected clock) expired renews to ``None``,
+        not an error, and stays finished; a meta that is not a lease raises LeaseError. Fix ``renew``."""
+
+        async def go():
+            store = make_store(lease_s=10.0)
+            require(store.features, "supports_lease_renewal")
+            await _setup_tasks(store)
+            put = await store.put({"prompt_ids": _ragged([[1]] * 4), "response_ids": _ragged([[2]] * 4)})
+            with pytest.raises(LeaseError):
+                await store.renew(put)
+            acked = await store.get_meta("reward", ["response_ids"], 1, timeout=5)
+            await store.ack(acked)
+            released = await store.get_meta("reward", ["response_ids"], 1, timeout=5)
+            await store.release(released)
+            dead = await store.get_meta("reward", ["response_ids"], 1, timeout=5, consumer="w0")
+            await store.declare_dead("w0")
+            for m in (acked, released, dead):
+                assert await store.renew(m) is None
+            with pytest.raises(LeaseError):
+                await store.ack(dead)
+            if self.fake_clock:
+                late = await store.get_meta("reward", ["response_ids"], 1, timeout=5)
+                clock.advance(10.0)
+                assert await store.renew(late) is None
+                again = await store.get_meta("reward", ["response_ids"], 3, timeout=5)  # its row is free again
+                assert set(late.row_ids.tolist()) <= set(again.row_ids.tolist())
+            await store.close()
+
+        run(go())
+
+    def test_renew_unsupported_raises_the_documented_error(self, make_store):
+        """With supports_lease_renewal off, ``renew`` raises UnsupportedFeatureError (the StreamStore default)."""
+
+        async def go():
+            store = make_store()
+            forbid(store.features, "supports_lease_renewal")
+            await _setup_tasks(store)
+            await store.put({"prompt_ids": _ragged([[1]]), "response_ids": _ragged([[2]])})
+            m = await store.get_meta("reward", ["response_ids"], 1, timeout=5)
+            await expect_unsupported(store.renew(m), "renew")
             await store.close()
 
         run(go())
@@ -479,6 +562,7 @@ def make_store_state_machine(
     checkpoint: bool = True,
     capacity: int = 8,
     lease_s: float = 10.0,
+    renewal: bool = True,
 ) -> type[RuleBasedStateMachine]:
     """A hypothesis state machine driving a store and a plain-Python model side by side.
 
@@ -486,7 +570,8 @@ def make_store_state_machine(
     empty store (or an awaitable of one); ``clock`` is a callable the store
     must use for lease deadlines, or ``None`` when ``fake_clock=False`` (then
     expiry steps are skipped). Use ``make_store_state_machine(...).TestCase``
-    as a test class. After every step it checks: no row is handed to a task
+    as a test class. ``renewal=False`` leaves out the ``renew`` steps (for a
+    store that declares ``supports_lease_renewal=False``). After every step it checks: no row is handed to a task
     while leased or done for it, no ready row is lost (a full drain returns
     exactly the model's eligible rows), version filters hold, data reads back
     as written, capacity is respected.
@@ -617,7 +702,7 @@ def make_store_state_machine(
                 self.state[(task, r)] = "leased"
             deadline = self.clock.now + lease_s if self.clock else None
             self.leases[meta.lease_id] = {"task": task, "rows": got, "meta": meta, "deadline": deadline,
-                                          "consumer": consumer}
+                                          "consumer": consumer, "lease_s": lease_s}
 
         @precondition(lambda self: self.leases)
         @rule(data=st.data())
@@ -657,6 +742,25 @@ def make_store_state_machine(
             meta = data.draw(st.sampled_from(self.finished))
             with pytest.raises(LeaseError):
                 self.run(self.store.ack(meta))
+
+        @precondition(lambda self: renewal and self.leases)
+        @rule(data=st.data(), new_s=st.none() | st.sampled_from([lease_s / 2, 2 * lease_s]))
+        def renew(self, data, new_s):
+            lid = data.draw(st.sampled_from(sorted(self.leases)))
+            lease = self.leases[lid]
+            deadline = self.run(self.store.renew(lease["meta"], lease_s=new_s))
+            assert deadline is not None, f"lease {lid} is live in the model but renew answered None"
+            if new_s is not None:
+                lease["lease_s"] = new_s
+            if self.clock is not None:
+                lease["deadline"] = self.clock.now + lease["lease_s"]
+                assert deadline == pytest.approx(lease["deadline"])
+
+        @precondition(lambda self: renewal and self.finished)
+        @rule(data=st.data())
+        def renew_finished_lease_answers_none(self, data):
+            meta = data.draw(st.sampled_from(self.finished))
+            assert self.run(self.store.renew(meta)) is None
 
         @precondition(lambda self: fake_clock)
         @rule(dt=st.sampled_from([1.0, 5.0, lease_s]))

@@ -30,7 +30,8 @@ def _scan(c: Controller, task: str, columns: list[str]) -> torch.Tensor:
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["put", "ready", "lease", "ack", "release", "gc", "drop", "expire", "clear"]),
+    st.tuples(st.sampled_from(["put", "ready", "lease", "ack", "release", "renew", "gc", "drop", "expire",
+                                  "clear"]),
               st.integers(0, 1 << 30)),
     min_size=1, max_size=60,
 )
@@ -67,6 +68,8 @@ def test_the_cached_eligibility_matches_a_scan_after_any_operations(ops):
             lid = leases.pop(r % len(leases))
             if c.lease_info(lid) is not None:
                 (c.ack if op == "ack" else c.release)(lid)
+        elif op == "renew" and leases:  # at a time past some deadlines: those leases expire here instead
+            c.renew(leases[r % len(leases)], lease_s=None if r % 2 else 2.0, now=now + r % 3)
         elif op == "gc":
             c.gc()
         elif op == "drop" and live.numel():

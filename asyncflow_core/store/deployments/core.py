@@ -180,6 +180,15 @@ class StoreCore:
         self.notify()
         return freed
 
+    def renew(self, meta: BatchMeta, lease_s: float | None = None) -> float | None:
+        """The lease's new deadline, or None once it is no longer held (see ``StreamStore.renew``)."""
+        self.check_open()
+        lid = self._lease_id(meta, "renew")
+        if self.controller.renew(lid, lease_s, time.monotonic()):
+            return self.controller.lease_info(lid)["deadline"]
+        self.notify()  # the call may have expired it (its deadline had passed): its rows are free
+        return None
+
     def declare_dead(self, consumer: str) -> int:
         self.check_open()
         freed = self.controller.declare_dead(consumer)

@@ -375,6 +375,9 @@ class _ControllerActor:
     async def release(self, meta: BatchMeta) -> None:
         self.core.release(meta)
 
+    async def renew(self, meta: BatchMeta, lease_s: float | None) -> float | None:
+        return self.core.renew(meta, lease_s)
+
     async def declare_dead(self, consumer: str) -> int:
         return self.core.declare_dead(consumer)
 
@@ -750,6 +753,9 @@ class RayStore(StreamStore):
 
     async def release(self, meta: BatchMeta) -> None:
         await self._ctl("release", meta)
+
+    async def renew(self, meta: BatchMeta, *, lease_s: float | None = None) -> float | None:
+        return await self._ctl("renew", meta, lease_s)
 
     async def declare_dead(self, consumer: str) -> int:
         return await self._ctl("declare_dead", consumer)

@@ -38,6 +38,9 @@ def install_control_ops(server: StoreServer, stats_extra: Any = None) -> None:
     async def release(conn: Connection, a: dict[str, Any]) -> None:
         core.release(a["meta"])
 
+    async def renew(conn: Connection, a: dict[str, Any]) -> float | None:
+        return core.renew(a["meta"], a.get("lease_s"))
+
     async def declare_dead(conn: Connection, a: dict[str, Any]) -> int:
         return core.declare_dead(a["consumer"])
 
@@ -53,8 +56,8 @@ def install_control_ops(server: StoreServer, stats_extra: Any = None) -> None:
         return out
 
     server.ops.update(
-        register_task=register_task, get_meta=get_meta, ack=ack, release=release, declare_dead=declare_dead,
-        end_stream=end_stream, clear=clear, stats=stats,
+        register_task=register_task, get_meta=get_meta, ack=ack, release=release, renew=renew,
+        declare_dead=declare_dead, end_stream=end_stream, clear=clear, stats=stats,
     )
 
 
@@ -131,6 +134,9 @@ class RemoteStoreClient(StreamStore):
 
     async def release(self, meta: BatchMeta) -> None:
         await self._call("release", meta=meta)
+
+    async def renew(self, meta: BatchMeta, *, lease_s: float | None = None) -> float | None:
+        return await self._call("renew", meta=meta, lease_s=lease_s)
 
     async def declare_dead(self, consumer: str) -> int:
         return await self._call("declare_dead", consumer=consumer)
