@@ -3,11 +3,16 @@ trainers' token counts (``LossContext.global_tokens``) count only unmasked token
 
 Each masked token's inputs (behaviour, old and reference log-probs, values) are NaN and its current log-prob
 is -inf, as a tool token's may be: the loss must stay finite and its gradient on them exactly zero.
+
+The trainers: the toy and fsdp engines count only unmasked tokens and take no step on a fully masked batch;
+the megatron engine (CPU, slow-marked) takes bit for bit the same step whatever a masked token's inputs hold.
+The fsdp engine on partially masked episodes, PPO's value head included: tests/adapters/test_fsdp_episode_mask.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -343,3 +348,60 @@ def test_the_mask_holds_on_cuda_as_the_megatron_worker_calls_the_loss(name, opti
     loss.backward()
     keep = on[C.LOSS_MASK].values
     assert torch.isfinite(loss) and bool((lp.grad[~keep] == 0.0).all()) and float(lp.grad[keep].abs().sum()) > 0
+
+
+@pytest.mark.slow  # two megatron engines: about 27 s on 2 cores
+def test_megatron_trainer_on_the_cpu_is_blind_to_the_masked_tokens_of_episodes():
+    """Two megatron engines from one seed (world 1, gloo, float32): one trains on episodes as the rollout writes
+    them, the other on the same rows with every masked token's behaviour and reference log-probs and advantages
+    replaced by NaN or +-1e4. Their losses, gradient norms and weights after the step are bit for bit the same;
+    a next step that shifts one *sampled* token's advantage in the second engine only moves them apart."""
+    testing = pytest.importorskip("asyncflow_megatron.testing", reason="asyncflow-megatron is not installed")
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from tests.flow.test_episode_grad import episode_batch as episodes
+
+    opts = testing.cpu_options(model={"hf_config": dict(testing.TINY_QWEN2), "dtype": "float32"},
+                               params_dtype="float32", export_dtype="float32", micro_batch_tokens=24, world_size=1)
+    # clip_high wide: after the first step a token's ratio may sit past 1 + 0.2, where a larger positive advantage
+    # would change nothing (the control below shifts one with a positive advantage)
+    algo = make("grpo", "token-mean", {"kl_coef": 0.1, "kl_estimator": "k3", "clip_high": 10.0})
+    batch = episodes(rows=6, seed=1)  # before the loop: the writer runs its own
+    keep = batch[C.LOSS_MASK].values.bool()
+    gen = torch.Generator().manual_seed(5)
+
+    def garbage(col: RaggedTensor) -> RaggedTensor:
+        noise = 1e4 * torch.randn(col.values.shape, generator=gen)
+        noise[torch.rand(col.values.shape, generator=gen) < 0.5] = float("nan")
+        return RaggedTensor(torch.where(keep, col.values, noise), col.offsets)
+
+    async def weights(engine):
+        return {n: t.clone() async for b in engine.export_weights(bucket_bytes=1 << 20) for n, t in b.tensors()}
+
+    async def go():
+        a, b = (get_plugin_manager().create("train_engine", "megatron", opts) for _ in range(2))
+        await asyncio.gather(a.setup(), b.setup())
+        try:
+            lp = (await a.compute_logprobs(batch))[C.LOGPROBS]
+            train = algo.compute_advantages(batch.with_columns(**{
+                C.BEHAVIOR_LOGPROBS: RaggedTensor(torch.where(keep, lp.values - 0.05, 0.0), lp.offsets),
+                C.REF_LOGPROBS: RaggedTensor(lp.values - 0.1, lp.offsets)}))
+            poisoned = train.with_columns(**{c: garbage(train[c]) for c in
+                                             (C.BEHAVIOR_LOGPROBS, C.REF_LOGPROBS, C.ADVANTAGES)})
+            ma, mb = await asyncio.gather(a.train_step(train, algo), b.train_step(poisoned, algo))
+            assert math.isfinite(ma["grad_norm"]) and ma["grad_norm"] > 0 and ma["tokens"] == int(keep.sum())
+            assert (mb["loss"], mb["grad_norm"]) == (ma["loss"], ma["grad_norm"])
+            wa, wb = await weights(a), await weights(b)
+            assert all(torch.equal(wa[n], wb[n]) for n in wa), "masked tokens' inputs changed the step"
+            adv = train[C.ADVANTAGES]
+            one = torch.zeros_like(keep)
+            one[int((keep & (adv.values > 0)).nonzero()[0])] = True
+            shifted = train.with_columns(**{C.ADVANTAGES: RaggedTensor(torch.where(one, adv.values + 0.5, adv.values),
+                                                                       adv.offsets)})
+            ma, mb = await asyncio.gather(a.train_step(train, algo), b.train_step(shifted, algo))
+            assert ma["grad_norm"] != mb["grad_norm"]
+            wa, wb = await weights(a), await weights(b)
+            assert not all(torch.equal(wa[n], wb[n]) for n in wa)
+        finally:
+            await asyncio.gather(a.shutdown(), b.shutdown())
+
+    asyncio.run(asyncio.wait_for(go(), 240))
