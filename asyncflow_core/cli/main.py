@@ -245,7 +245,9 @@ def trace_cmd(
 def spec_cmd(
     ctx: typer.Context,
     plugin: Annotated[str, typer.Argument(help="Registered name of the backend to test.")],
-    kind: Annotated[str | None, typer.Option(help="Kind, when the name is registered for several kinds.")] = None,
+    kind: Annotated[str | None, typer.Option(
+        help="Kind, when the name is registered for several kinds the suite tests (a dataset of the same name "
+             "is set aside: NAME means its other kind).")] = None,
     option: Annotated[
         list[str] | None, typer.Option("--option", "-o", help="Backend option key=value (YAML value); repeatable.")
     ] = None,
@@ -269,15 +271,15 @@ def spec_cmd(
         raise AsyncflowError("the conformance suite is not installed: pip install asyncflow-spec") from None
     from asyncflow_spec import SPEC_CLASSES
 
-    kinds = [PluginKind(kind)] if kind else [k for k in PluginKind if plugin in pm.registrations(k)]
-    if not kinds:
-        known = sorted({r.name for r in pm.all_registrations()})
-        raise UnknownPluginError(f"no plugin named {plugin!r}; installed: {', '.join(known) or 'none'}")
-    if len(kinds) > 1:
-        raise AsyncflowError(
-            f"{plugin!r} is registered as {', '.join(k.value for k in kinds)}; pick one with --kind"
-        )
-    kind_ = kinds[0]
+    if kind:
+        try:
+            kind_ = PluginKind(kind)
+        except ValueError:
+            raise ConfigError(
+                f"--kind {kind!r} is not a plugin kind; kinds: {', '.join(k.value for k in SPEC_CLASSES)}"
+            ) from None
+    else:
+        kind_ = _spec_kind(plugin, [k for k in PluginKind if plugin in pm.registrations(k)], SPEC_CLASSES, pm)
     pm.lookup(kind_, plugin)
     spec_class = SPEC_CLASSES.get(kind_)
     if spec_class is None:
@@ -319,6 +321,42 @@ def spec_cmd(
         else:
             err.print(f"{flag}: no report written (pytest exited {result.returncode} before the session ended)")
     raise typer.Exit(result.returncode)
+
+
+def _spec_kind(plugin: str, kinds: list[PluginKind], spec_classes: Any, pm: Any) -> PluginKind:
+    """The kind ``asyncflow spec NAME`` tests when no ``--kind`` is given (a note on stderr when it chose).
+
+    Only kinds the suite has tests for count. When the name is still
+    registered for several, a ``dataset`` among them is set aside: a dataset
+    named like an environment, reward or engine is the generator of that
+    plugin's rows (``calculator``, ``guess``, ``arithmetic``), and the user
+    asking to prove ``calculator`` means the environment. Anything else still
+    ambiguous is one line naming the kinds and the ``--kind`` to pick one.
+    """
+    if not kinds:
+        known = sorted({r.name for r in pm.all_registrations()})
+        raise UnknownPluginError(f"no plugin named {plugin!r}; installed: {', '.join(known) or 'none'}")
+    testable = [k for k in kinds if k in spec_classes]
+    if not testable:
+        raise AsyncflowError(
+            f"the conformance suite has no tests for {' or '.join(k.value for k in kinds)} backends yet"
+        )
+    chosen = testable
+    if len(chosen) > 1 and PluginKind.DATASET in chosen:
+        chosen = [k for k in chosen if k is not PluginKind.DATASET]
+    if len(chosen) > 1:
+        raise AsyncflowError(
+            f"{plugin!r} is registered as {', '.join(k.value for k in testable)}; pick one with --kind, "
+            f"e.g. asyncflow spec {plugin} --kind {chosen[0].value}"
+        )
+    others = [k for k in testable if k is not chosen[0]]
+    if others:
+        err.print(
+            f"testing the {chosen[0].value} {plugin!r}; for the {others[0].value} of that name: "
+            f"asyncflow spec {plugin} --kind {others[0].value}",
+            markup=False, highlight=False,
+        )
+    return chosen[0]
 
 
 def _writable(path: Path, flag: str) -> Path:
