@@ -11,12 +11,19 @@ runs (``async with pool.episode() as env``).
 
 ``processes=0`` runs environments in the event loop (``asyncio.wait_for``):
 right for environments whose steps await. ``processes=N`` keeps each
-environment object in one of N worker processes (spawned, each running its
-own event loop) and proxies the calls over a pipe, so a tool that blocks or
-holds the GIL never stalls decoding in the rollout process. A call that times
+environment object in one of N worker processes (spawned) and proxies the
+calls over a pipe, so a tool that blocks or holds the GIL never stalls
+decoding in the rollout process. There each environment runs on a thread of
+its own (with its own event loop), so a blocking step holds only its own
+episode: a process serves as many blocking waits at once as it has episodes
+(``workers / processes``), and CPU-bound tools run ``processes`` at once
+(one GIL each). Episodes go to the least loaded process. A call that times
 out there cannot be interrupted, so its worker is terminated and restarted:
 the other episodes living in that worker fail too, each with a reason that
-says so (recorded, never lost). ``workers`` bounds the episodes open at once.
+says so (recorded, never lost). Their environments report why in
+``PooledEnvironment.lost`` (the one whose call timed out does not), so a
+multi-turn episode rebuilds or restarts them (flow/episode_recovery.py).
+``workers`` bounds the episodes open at once.
 """
 
 from __future__ import annotations
@@ -73,6 +80,16 @@ class PooledEnvironment(Environment):
         self._env_id = env_id
         self.timings: list[CallTiming] = []
         self.closed = False
+        self._timed_out = False  #: a call of this environment timed out, and its worker was restarted for it
+
+    @property
+    def lost(self) -> str | None:
+        """Why this environment object is gone through no call of its own: its worker process exited, or was
+        restarted after another episode's call timed out (the episode may rebuild it: ``features.restore``).
+        None while it lives, for in-loop environments, after its own call timed out, and once the pool is closed."""
+        if self._worker is None or self._timed_out or self._pool._closed:
+            return None
+        return self._worker.dead
 
     @property
     def features(self) -> EnvironmentFeatures:
@@ -160,6 +177,7 @@ class PooledEnvironment(Environment):
         except asyncio.TimeoutError:
             why = (f"worker process {worker.index} was restarted after a {_where(call, turn)} of another episode "
                    f"timed out after {timeout:g}s")
+            self._timed_out = True
             self._pool._retire(worker, why)
             raise EnvironmentFailure(f"environment {_where(call, turn)} timed out after {timeout:g}s "
                                      "(environment.step_timeout_s); its worker process was restarted",

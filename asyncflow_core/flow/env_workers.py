@@ -1,6 +1,11 @@
 """The parts of the environment pool below its interface: the plugin factory that crosses into worker
 processes, the checks of what an environment returns, the one-line failure texts, and the worker processes
-themselves (each a loop of environments by id behind a pipe). :mod:`asyncflow_core.flow.env_pool` uses them.
+themselves (environments by id behind a pipe). :mod:`asyncflow_core.flow.env_pool` uses them.
+
+In a worker process every environment lives on a thread of its own, with its own event loop: its calls run
+there one after another (as in the rollout process's loop), and a call that blocks (``time.sleep``, blocking
+I/O, a C extension) holds only its own episode. So one process serves as many blocking waits at once as it
+has episodes open; CPU-bound Python tools still share the process's GIL, so those run ``processes`` at once.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import contextlib
 import inspect
 import itertools
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -61,19 +67,42 @@ class PluginEnvironmentFactory:
         self.name = name
         self.options = dict(options or {})
         self._bound: tuple[Any, Any] | None = None
+        self._module: str | None = None  #: set in a worker process: the module to register if the name is unknown
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "options": self.options}
+        return {"name": self.name, "options": self.options, "module": self._plugin_module()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["name"], state["options"])  # type: ignore[misc]
+        self._module = state.get("module")
+
+    def _plugin_module(self) -> str | None:
+        """The module that registered this environment, when it is one (a module registered by hand, e.g.
+        ``get_plugin_manager().register_module(...)`` in a test or a script): a worker process that does not
+        find the environment among its built-ins and entry points registers that module too."""
+        if self._module is not None:
+            return self._module
+        try:
+            from asyncflow_core.plugins import PluginKind, get_plugin_manager
+
+            plugin = get_plugin_manager().lookup(PluginKind.ENVIRONMENT, self.name).plugin
+        except Exception:  # noqa: BLE001 - opening the first episode reports an unknown environment
+            return None
+        return plugin if plugin in sys.modules else None
 
     def _record_and_options(self) -> tuple[Any, Any]:
         if self._bound is None:
+            from asyncflow_core.errors import UnknownPluginError
             from asyncflow_core.plugins import PluginKind, get_plugin_manager
 
             pm = get_plugin_manager()
-            record = pm.lookup(PluginKind.ENVIRONMENT, self.name).record
+            try:
+                record = pm.lookup(PluginKind.ENVIRONMENT, self.name).record
+            except UnknownPluginError:
+                if self._module is None:
+                    raise
+                pm.register_module(self._module, distribution="unknown")  # registered by hand in the parent
+                record = pm.lookup(PluginKind.ENVIRONMENT, self.name).record
             self._bound = (record, pm.validate_options(PluginKind.ENVIRONMENT, self.name, self.options))
         return self._bound
 
@@ -93,6 +122,10 @@ class PluginEnvironmentFactory:
         if inspect.iscoroutine(env):
             env.close()
         return declared if isinstance(declared, EnvironmentFeatures) else record.features
+
+    def prepare(self) -> None:
+        """Look the plugin up and validate its options now (a worker process does it once, at start)."""
+        self._record_and_options()
 
     def __call__(self) -> Any:
         record, options = self._record_and_options()
@@ -123,14 +156,51 @@ def _check_step(value: Any) -> Step:
 # -- worker processes ---------------------------------------------------------------------------------------
 
 
+class _EnvThread:
+    """One environment's thread in a worker process, running an event loop of its own (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    async def call(self, fn: Any) -> Any:
+        """Await ``fn()`` on this thread's loop (``fn`` itself is called there too); the caller's loop waits
+        without being held."""
+        async def run() -> Any:
+            return await fn()
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self.loop))
+
+    def stop(self) -> None:
+        """End the loop (after the call running there, if any, returns); the thread then exits."""
+        with contextlib.suppress(RuntimeError):  # already stopped
+            self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 def _worker_main(conn: Any, factory: EnvironmentFactory) -> None:
-    """A worker process: environments by id, each call run as a task on this process's own event loop."""
+    """A worker process: environments by id, each on its own thread and event loop (see the module docstring).
+
+    The process's main loop reads requests (a reader thread hands them over), hands each call to its
+    environment's thread and sends the answer back; ``open`` starts the thread, ``close`` ends it.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    envs: dict[int, Environment] = {}
+    envs: dict[int, tuple[Environment, _EnvThread]] = {}
     tasks: set[asyncio.Task[None]] = set()  # strong references until each call is answered
     send_lock = threading.Lock()
+    prepare = getattr(factory, "prepare", None)
+    if callable(prepare):  # bind the plugin once, before environment threads race to do it
+        with contextlib.suppress(Exception):  # opening the first episode reports the reason
+            prepare()
 
     def reply(req: int, ok: bool, value: Any, seconds: float = 0.0) -> None:
         with send_lock:
@@ -140,21 +210,39 @@ def _worker_main(conn: Any, factory: EnvironmentFactory) -> None:
                 conn.send((req, False, f"the result could not be sent back from the worker: {_one_line(exc)}",
                            seconds))
 
+    async def opened(env_id: int) -> Any:
+        runner = _EnvThread(f"env-{env_id}")
+        try:
+            env = await runner.call(lambda: _build(factory))
+        except BaseException:
+            runner.stop()
+            raise
+        envs[env_id] = (env, runner)
+        return env.features, tuple(env.tools)
+
+    async def closed(env_id: int) -> Any:
+        env, runner = envs.pop(env_id, (None, None))
+        if env is None or runner is None:
+            return None
+        try:
+            return await runner.call(env.close)
+        finally:
+            runner.stop()
+
     async def handle(req: int, op: str, env_id: int, payload: Any) -> None:
         start = time.perf_counter()  # the call's own seconds, sent back with its answer
         try:
             if op == "open":
-                env = await _build(factory)
-                envs[env_id] = env
-                value: Any = (env.features, tuple(env.tools))
+                value: Any = await opened(env_id)
             elif op == "reset":
+                env, runner = envs[env_id]
                 record, seed = payload
-                value = _check_observation(await envs[env_id].reset(record, seed=seed), "reset")
+                value = _check_observation(await runner.call(lambda: env.reset(record, seed=seed)), "reset")
             elif op == "step":
-                value = _check_step(await envs[env_id].step(payload))
+                env, runner = envs[env_id]
+                value = _check_step(await runner.call(lambda: env.step(payload)))
             elif op == "close":
-                env = envs.pop(env_id, None)
-                value = await env.close() if env is not None else None
+                value = await closed(env_id)
             else:
                 raise ValueError(f"unknown request {op!r}")
         except Exception as exc:  # noqa: BLE001 - every failure goes back as a reason
