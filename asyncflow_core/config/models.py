@@ -356,7 +356,8 @@ class PipelineConfig(StrictModel):
     lease_s: float = Field(
         86400.0, gt=0,
         description="Lease on rows a stage holds (rollout: until generated; train: until its step ends). Rows of a "
-        "consumer that vanishes come back when it expires; keep it above the longest generation and train step.",
+        "consumer that vanishes come back when it expires; keep it above the longest generation and train step "
+        "(multi-turn and agent episodes renew it every turn: keep it above twice the longest turn).",
     )
     max_failure_rate: float = Field(
         0.2, ge=0, le=1, description="Stop the run when more than this fraction of processed rows failed."
@@ -400,8 +401,10 @@ class EnvironmentConfig(Component):
         "their tools (fewer starves decoding when tools are slow: docs/performance.md, slow tools).")
     processes: int | None = Field(
         None, ge=0,
-        description="0: environments run in the event loop; N: in a pool of N worker processes, so a blocking tool "
-        "never stalls decoding. Default: 0, or 2 when the environment declares features.blocking.",
+        description="0: environments run in the event loop; N: in a pool of N worker processes, each environment on "
+        "a thread of its own there, so a blocking tool never stalls decoding and every open episode's blocking wait "
+        "runs at once (CPU-bound Python tools: N at once). Default: 0, or 2 when the environment declares "
+        "features.blocking.",
     )
 
 

@@ -115,6 +115,12 @@ class Captured(SingleTurn):
     oldest_version = MultiTurn.oldest_version
     oldest_with = MultiTurn.oldest_with
 
+    def retry_turn(self) -> None:
+        """Sample the current call again; the episode's start (``origin_version``) stays."""
+        origin = self.origin_version
+        super().retry_turn()
+        self.origin_version = origin
+
     @property
     def turn(self) -> int:
         """Calls answered so far."""
@@ -299,6 +305,7 @@ class Captured(SingleTurn):
         self._calls = self._call = self._traj = None
         self._taken = self._asked = 0
         self._oldest, self._finish, self._agent_s = None, None, 0.0
+        self.origin_version = None  # a new session: its age counts from its new first call
         self.prompt = self.prompt_stored
 
 

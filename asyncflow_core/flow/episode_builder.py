@@ -69,13 +69,18 @@ def build_episodes(resolved: Any, tokenizer: Any, plugin_manager: Any = None, *,
 
     features = record.declared_features
     owns_reward = bool(getattr(features, "owns_reward", False))
+    step_timeout_s = getattr(section, "step_timeout_s", 60.0)
+    if isinstance(open_env, _PoolOpener) and step_timeout_s is not None:
+        # the pool times each call itself and restarts a worker stuck in one; with the same limit the episode's
+        # own timer would win the race, and a stuck worker would stay until its close timed out too
+        step_timeout_s = 2 * step_timeout_s
     settings = EpisodeSettings(
         open_env=open_env or open_plugin_env,
         renderer=Renderer(tokenizer, stop_ids),
         decode=tokenizer.decode,
         max_turns=int(getattr(section, "max_turns", 8)),
         max_episode_tokens=getattr(section, "max_episode_tokens", None),
-        step_timeout_s=getattr(section, "step_timeout_s", 60.0),
+        step_timeout_s=step_timeout_s,
         owns_reward=owns_reward,
         seed=int(getattr(cfg, "seed", 0) or 0),
     )

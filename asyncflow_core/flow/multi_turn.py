@@ -18,28 +18,38 @@ Staleness across turns: an episode is as old as its oldest sampled token.
 Every request of a turn starts no newer than the episode's oldest token
 (``held_versions``), so the stage's in-flight abort and its check of each
 result cover the whole episode; an episode whose earlier turns fall out of
-the bound starts again from ``reset`` (or is dropped under ``stale_policy:
-drop``).
+the bound starts again (or is dropped under ``stale_policy: drop``). Under
+``async.staleness_basis: request_start`` its age counts from the version its
+first turn's request started on (``origin_version``, kept across turns,
+resumes and turn retries; cleared when it starts again from ``reset``).
+
+Recovery (flow/episode_recovery.py): every step taken is recorded; an
+environment declaring ``restore: replay`` is rebuilt from ``reset`` and the
+recorded actions when it is lost (and on a restart that keeps turns), with
+the observations checked; ``restore: reset`` starts the episode again.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import contextlib
+import enum
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from asyncflow_core import columns as C
 from asyncflow_core.errors import AsyncflowError
-from asyncflow_core.flow.env_values import awaitable, count_of, finite_number, record_for_env, untraced
+from asyncflow_core.flow.env_values import (awaitable, count_of, finite_number, is_dataset_prompt, record_for_env,
+                                             untraced)
+from asyncflow_core.flow.episode_recovery import EpisodeFailed, Recovery, ReplayMismatch, TakenStep, step_reason
 from asyncflow_core.flow.render import Renderer, RenderError
 from asyncflow_core.flow.single_turn import SingleTurn, as_tuple
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT
-from asyncflow_core.interfaces.environment import Action, Observation, ToolSpec
+from asyncflow_core.interfaces.environment import RESTORE_RESET, Action, Observation, ToolSpec
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
 from asyncflow_core.types.episode import Segment, Trajectory
 
@@ -75,16 +85,21 @@ class EpisodeSettings:
     step_timeout_s: float | None = 60.0  #: per reset/step; None: no limit
     owns_reward: bool = False
     seed: int = 0
+    #: times one episode's environment may be lost (worker exited or restarted) and rebuilt or restarted;
+    #: the next loss fails the episode with the reason
+    max_env_rebuilds: int = 2
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        if self.max_env_rebuilds < 0:
+            raise ValueError(f"max_env_rebuilds must be >= 0, got {self.max_env_rebuilds}")
         if self.max_episode_tokens is not None and self.max_episode_tokens < 2:
             raise ValueError(f"max_episode_tokens must be >= 2, got {self.max_episode_tokens}")
 
 
 @dataclass(eq=False)  # the stage keeps a set of the episodes with an open environment
-class MultiTurn(SingleTurn):
+class MultiTurn(Recovery, SingleTurn):
     """An episode with an environment: requests per turn, steps between them, a :class:`Trajectory` at the end."""
 
     multi_turn: ClassVar[bool] = True
@@ -100,15 +115,15 @@ class MultiTurn(SingleTurn):
     failure: str | None = None  #: why the episode failed (a one-line reason), once it has
     cut: str | None = None  #: why it ended without ``done`` (``max_turns``)
     restarts: int = 0
+    rebuilds: int = 0  #: times its environment was lost and rebuilt (replay) or restarted (reset)
+    restore: str = RESTORE_RESET  #: what its environment declares (``features.restore``)
+    events: Counter = field(default_factory=Counter)  #: for the run's counters (the stage drains them)
     prompt_stored: tuple[int, ...] = ()  #: the row's stored prompt ids (a restart renders the prompt again from them)
     _context: list[int] = field(default_factory=list)  #: prompt + every segment's tokens: the next request's prompt
     _oldest: int | None = None  #: oldest version among the sampled tokens
     _finish: FinishReason | None = None  #: how the last sampled turn ended
-    _tool_calls: int = 0
-    _tool_ok: int = 0
+    _steps: list[TakenStep] = field(default_factory=list)  #: every step taken, in order (replay repeats them)
     _env_s: float = 0.0
-    _tool_s: float | None = None  #: sum of the steps' ``info["tool_seconds"]`` (None: no step reported it)
-    _correct: float | None = None  #: the last step's ``info["correct"]`` (None: it did not report one)
     #: traces each reset and step (the rollout stage sets it to its timeline's ``env`` lanes)
     tracer: EnvCallTracer | None = None
 
@@ -146,9 +161,14 @@ class MultiTurn(SingleTurn):
         return () if held is None else (held,)
 
     def oldest_version(self) -> int | None:
-        """The oldest version among the tokens sampled so far (earlier turns and the resumed prefix)."""
+        """The version the episode's age counts from: the oldest among the tokens sampled so far (earlier turns
+        and the resumed prefix), or its start when ``origin_version`` is set (``staleness_basis:
+        request_start``) and older."""
         held = self.held_versions()
-        return held[0] if held else None
+        oldest = held[0] if held else None
+        if self.origin_version is None:
+            return oldest
+        return self.origin_version if oldest is None else min(oldest, self.origin_version)
 
     def oldest_with(self, res: GenerationResult) -> int | None:
         lo = res.min_version
@@ -181,6 +201,9 @@ class MultiTurn(SingleTurn):
                 tool_s = finite_number(info.get("tool_seconds")) if isinstance(info, Mapping) else None
                 if tool_s is not None:
                     args["tool_s"] = tool_s
+                reason = step_reason(info)
+                if reason is not None:
+                    args["tool_error"] = reason
                 return value
             finally:
                 seconds = time.perf_counter() - t0
@@ -199,8 +222,9 @@ class MultiTurn(SingleTurn):
         except asyncio.CancelledError:
             raise
         except AsyncflowError as exc:  # EnvironmentFailure and friends: their message is the reason
-            raise _Failed(f"environment {what}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") \
-                from None
+            line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            # the environment pool's own failures name the call already ("environment step (turn N) failed: ...")
+            raise _Failed(line if line.startswith("environment ") else f"environment {what}: {line}") from None
         except Exception as exc:  # noqa: BLE001 - an environment's bug is that episode's recorded failure
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise _Failed(f"environment {what} raised {type(exc).__name__}: {first}") from None
@@ -210,25 +234,45 @@ class MultiTurn(SingleTurn):
         return Progress.FAILED
 
     async def begin(self) -> Progress:
-        """Open the environment, ``reset`` it with the row's record and render the prompt."""
+        """Open the environment, ``reset`` it with the row's record and render the prompt; when the episode has
+        recorded steps (a rebuild, or a restart that keeps turns), replay them and check the answers."""
         s = self.settings
         assert s is not None
-        try:
-            # opening waits for a free environment slot (environment.workers): not a step, so not under its timeout
-            self.env = await self._env_call("open", awaitable(s.open_env), timed=False)
-            obs = await self._env_call("reset", lambda: self.env.reset(record_for_env(self.record), seed=self.seed))
-            if not isinstance(obs, Observation):
-                raise _Failed(f"environment reset returned {type(obs).__name__}, not an Observation")
-            self.tools = tuple(self.env.tools or ())
-            self.history = tuple(obs.messages or ())
-            if self._is_dataset_prompt(obs):
-                prompt = list(self.prompt)  # the feeder's tokens: rendered once, already
-            else:
-                prompt = s.renderer.reset(obs, self.tools)
-        except _Failed as exc:
-            return self._fail(str(exc))
-        except RenderError as exc:
-            return self._fail(f"the first observation could not be rendered: {exc}")
+        while True:
+            try:
+                # opening waits for a free environment slot (environment.workers): not a step, so not under its timeout
+                self.env = await self._env_call("open", awaitable(s.open_env), timed=False)
+                return await self._start()
+            except ReplayMismatch as exc:
+                return self._fail(str(exc))
+            except _Failed as exc:
+                lost = self._lost()
+                if not self._may_rebuild(lost):
+                    return self._fail(self._lost_reason(str(exc), lost))
+                self.rebuilds += 1  # lost during reset or replay: a fresh one
+                self.events["env_lost"] += 1
+                await self.close()
+            except RenderError as exc:
+                return self._fail(f"the first observation could not be rendered: {exc}")
+
+    async def _start(self) -> Progress:
+        s = self.settings
+        assert s is not None
+        obs = await self._env_call("reset", lambda: self.env.reset(record_for_env(self.record), seed=self.seed))
+        if not isinstance(obs, Observation):
+            raise _Failed(f"environment reset returned {type(obs).__name__}, not an Observation")
+        self.restore = str(getattr(getattr(self.env, "features", None), "restore", RESTORE_RESET))
+        tools = tuple(self.env.tools or ())
+        history = tuple(obs.messages or ())
+        if is_dataset_prompt(self.record, self.prompt, obs, tools):
+            prompt = list(self.prompt)  # the feeder's tokens: rendered once, already
+        else:
+            prompt = s.renderer.reset(obs, tools)
+        if self.segments:  # rebuilding, turns kept: the same prompt, then every recorded step again
+            self._check_prompt(prompt, tools)
+            await self._replay()
+            return Progress.CONTINUE
+        self.tools, self.history = tools, history
         if not prompt:
             return self._fail("the environment's first observation rendered to no tokens")
         self.prompt = tuple(prompt)
@@ -237,17 +281,6 @@ class MultiTurn(SingleTurn):
             return self._fail(f"oversize episode: the first observation is {len(prompt)} tokens, leaving no room "
                               f"under max_episode_tokens={s.max_episode_tokens}")
         return Progress.CONTINUE
-
-    def _is_dataset_prompt(self, obs: Observation) -> bool:
-        """The observation is the row's own prompt, as the feeder rendered it (no tools: they change a template)."""
-        rec = self.record
-        if self.tools or rec is None or isinstance(rec, Mapping) or not self.prompt:
-            return False
-        if obs.text is not None:
-            return obs.text == rec.prompt and not rec.prompt_token_ids and "messages" not in rec.metadata
-        if obs.messages is not None:
-            return list(map(dict, obs.messages)) == list(map(dict, rec.metadata.get("messages") or ()))
-        return False
 
     def take_turn(self, res: GenerationResult) -> None:
         """Append a finished turn (stop or length) as the engine returned it."""
@@ -271,28 +304,32 @@ class MultiTurn(SingleTurn):
         try:
             step = await self._env_call(f"step {seg.turn}", lambda: self.env.step(action))
         except _Failed as exc:
-            return self._fail(str(exc))
+            return await self._recover(exc)  # a lost environment is rebuilt (or the episode restarted)
         if not hasattr(step, "done") or not hasattr(step, "observation"):
             return self._fail(f"environment step {seg.turn} returned {type(step).__name__}, not a Step")
-        self.turn_rewards.append(float(step.reward))
-        info = step.info or {}
-        self._tool_calls += count_of(info.get("tool_calls", 0))
-        self._tool_ok += count_of(info.get("tool_ok", 0))
-        tool_s = finite_number(info.get("tool_seconds"))
-        if tool_s is not None:
-            self._tool_s = (self._tool_s or 0.0) + tool_s
-        self._correct = finite_number(info.get("correct"))  # the last step's: an earlier answer does not count
-        if step.done:
-            return Progress.DONE
-        if len(self.turn_rewards) >= s.max_turns:
-            self.cut = "max_turns"
+        try:
+            reward = float(step.reward)
+        except (TypeError, ValueError):
+            return self._fail(f"environment step {seg.turn} returned a reward that is not a number: {step.reward!r}")
+        info = step.info if isinstance(step.info, Mapping) else {}
+        reason = step_reason(info)
+        self._count_reason(reason)
+        taken = dict(action=action, reward=reward, tool_calls=count_of(info.get("tool_calls", 0)),
+                     tool_ok=count_of(info.get("tool_ok", 0)), tool_s=finite_number(info.get("tool_seconds")),
+                     correct=finite_number(info.get("correct")), reason=reason)
+        self.turn_rewards.append(reward)
+        final = bool(step.done) or len(self.turn_rewards) >= s.max_turns
+        if final:
+            self._steps.append(TakenStep(observed=(), final=True, **taken))
+            if not step.done:
+                self.cut = "max_turns"
             return Progress.DONE
         try:
-            glue, toks = s.renderer.step(step.observation, history=self.history, tools=self.tools,
-                                         ended_by_stop=bool(seg.token_ids) and seg.token_ids[-1] in s.renderer.stop_ids)
+            obs = tuple(self._render_step(step, seg))
         except RenderError as exc:
+            self._steps.append(TakenStep(observed=(), final=True, **taken))
             return self._fail(f"the observation after turn {seg.turn} could not be rendered: {exc}")
-        obs = tuple(glue) + tuple(toks)
+        self._steps.append(TakenStep(observed=obs, final=False, **taken))
         if obs:
             self.segments.append(Segment(obs, sampled=False, turn=seg.turn))
             self._context.extend(obs)
@@ -306,15 +343,11 @@ class MultiTurn(SingleTurn):
         assert s is not None
         n = sum(len(x.token_ids) for x in self.segments)
         masked = sum(len(x.token_ids) for x in self.segments if not x.sampled)
-        info = {"turns": self.turn, "tool_calls": self._tool_calls, "tool_ok": self._tool_ok, "env_s": self._env_s,
-                "masked_frac": masked / n if n else 0.0, "restarts": self.restarts,
-                "truncated": self._finish is FinishReason.LENGTH or self.cut is not None}
+        info = {"turns": self.turn, "env_s": self._env_s, "masked_frac": masked / n if n else 0.0,
+                "restarts": self.restarts, "env_rebuilds": self.rebuilds,
+                "truncated": self._finish is FinishReason.LENGTH or self.cut is not None, **self.tool_figures()}
         if self.cut:
             info["cut"] = self.cut
-        if self._tool_s is not None:
-            info["tool_s"] = self._tool_s
-        if self._correct is not None:
-            info["correct"] = self._correct
         return Trajectory(prompt_ids=self.prompt, segments=list(self.segments), turn_rewards=list(self.turn_rewards),
                           reward=sum(self.turn_rewards) if s.owns_reward else None, info=info)
 
@@ -330,21 +363,8 @@ class MultiTurn(SingleTurn):
         except Exception as exc:  # noqa: BLE001
             log.warning("episode of row %d: environment close failed: %s: %s", self.row, type(exc).__name__, exc)
 
-    def restart(self) -> None:
-        """Start the episode again from ``reset`` (a new environment: call :meth:`close` first), as a new request."""
-        self.retry_turn()
-        self.restarts += 1
-        self.segments, self.turn_rewards = [], []
-        self.history, self.tools, self.failure, self.cut = (), (), None, None
-        self._context, self._oldest, self._finish = [], None, None
-        self._tool_calls = self._tool_ok = 0
-        self._env_s = 0.0
-        self._tool_s = self._correct = None
-        self.prompt = self.prompt_stored
 
-
-class _Failed(Exception):
-    """An environment call failed; the message is the recorded reason."""
+_Failed = EpisodeFailed  #: an environment call failed; the message is the recorded reason
 
 
 class MultiTurnEpisodes:

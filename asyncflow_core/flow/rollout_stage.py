@@ -38,6 +38,7 @@ from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
 from asyncflow_core.flow.weight_follower import WeightFollower
 from asyncflow_core.interfaces import KVCachePolicy, RolloutEngine, WeightTransport
 from asyncflow_core.interfaces.store import BatchMeta
+from asyncflow_core.store.lease import LeaseKeeper
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, RaggedTensor, SamplingParams
 
 log = logging.getLogger("asyncflow.flow")
@@ -49,6 +50,7 @@ __all__ = ["ROLLOUT_OUT", "Replica", "RolloutStage"]
 class _Lease:
     meta: BatchMeta
     remaining: int
+    keeper: LeaseKeeper | None = None  #: renews the lease while its rows' episodes run (EpisodeDriving._keep_lease)
 
 
 #: the single-turn episode (the request type of this stage before episodes)
@@ -186,7 +188,7 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
                 if meta.end_of_stream:
                     break
                 batch = await ctx.store.get(meta)
-                lease = _Lease(meta, len(meta))
+                lease = _Lease(meta, len(meta), LeaseKeeper(ctx.store, meta, self.lease_s, clock=ctx.clock))
                 prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
                 gids = batch[C.GROUP_ID].tolist()
                 vals, offs = prompts.values.tolist(), prompts.offsets.tolist()  # one conversion, not one per row
@@ -232,8 +234,9 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
             if r is None:
                 break
             req.start_version = self.guard.start_version(r.engine.version, req.held_versions())
-            if req.origin_version is None and self.guard.tail.basis == REQUEST_START and not req.multi_turn:
-                req.origin_version = req.start_version  # its age counts from here, across resumes
+            if req.origin_version is None and self.guard.tail.basis == REQUEST_START:
+                # its age counts from here, across resumes (an episode's: across its turns, flow/multi_turn.py)
+                req.origin_version = req.start_version
             self.pool.assign(r, req.request_id, req)
             per.setdefault(r.index, []).append(req)
             assigned += 1

@@ -138,7 +138,7 @@ class TrajectoryWriter:
                                                   C.EPISODE_ENV_S, C.EPISODE_MASKED_FRAC, C.EPISODE_TOOL_S,
                                                   C.EPISODE_CORRECT)}
         sampled_total = 0
-        for _, traj in items:
+        for q, traj in items:
             if traj is None:
                 traj = Trajectory(prompt_ids=())
             if isinstance(traj, GenerationResult):
@@ -170,6 +170,9 @@ class TrajectoryWriter:
             turn_rewards.extend(traj.turn_rewards)
             rlens.append(len(traj.turn_rewards))
             rewards.append(0.0 if traj.reward is None else float(traj.reward))
+            origin = getattr(q, "origin_version", None)  # set under staleness_basis: request_start
+            if origin is not None and lo is not None:
+                lo = min(lo, origin)  # the episode's age counts from its first request's start
             vrange.append((ctx.version if lo is None else lo, ctx.version if hi is None else hi))
             info = traj.info
             cut.append(bool(info.get("truncated", False)))

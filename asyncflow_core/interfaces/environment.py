@@ -17,6 +17,16 @@ mask 1. One :class:`Environment` object serves one episode: the factory
 registered by the plugin builds a fresh one per episode, so an environment
 may keep per-episode state in ``self``.
 
+Recovery (``EnvironmentFeatures.restore``): an environment that declares
+``replay`` can be rebuilt mid-episode: a fresh object gets ``reset(record,
+seed=...)`` and then ``step`` with each recorded :class:`Action` (the same
+token ids and text), in order, and must answer with the same observations,
+rewards and ``done=False`` as the first time (the runtime checks; a
+difference fails the episode). The runtime does this when the episode's
+environment was lost (its worker process exited or was restarted for another
+episode's time-out); with ``reset`` (the default) such an episode starts again
+from ``reset`` instead, its sampled turns thrown away.
+
 Errors: an exception from ``reset`` or ``step``, a step over its time limit,
 or an episode over its turn or token limit ends that episode as a recorded
 failure with a reason (the run goes on). Raise
@@ -28,11 +38,15 @@ from __future__ import annotations
 import abc
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from asyncflow_core.interfaces.features import Features
+
+#: ``EnvironmentFeatures.restore`` values
+RESTORE_RESET = "reset"  #: an environment cannot be rebuilt mid-episode: a lost one means the episode starts over
+RESTORE_REPLAY = "replay"  #: ``reset`` + the recorded actions rebuild it, with the same observations
 
 
 class EnvironmentFeatures(Features):
@@ -49,6 +63,22 @@ class EnvironmentFeatures(Features):
         description="Steps may block the event loop or hold the GIL (CPU-bound tools, blocking I/O): "
         "the runtime runs such environments in worker processes.",
     )
+    restore: Literal["reset", "replay"] = Field(
+        RESTORE_RESET,
+        description="How an episode whose environment was lost (its worker process exited or was restarted) or "
+        "whose turns must be re-based goes on. replay: a fresh environment gets reset(record, seed) and step() of "
+        "every recorded action, in order, and must return the same observations, rewards and done=False (checked: "
+        "a difference fails the episode with a reason); the episode keeps its turns. reset: it starts again from "
+        "reset, its sampled turns thrown away. replay needs deterministic and steps whose effects are safe to "
+        "repeat (they are run again).",
+    )
+
+    @model_validator(mode="after")
+    def _replay_is_deterministic(self) -> EnvironmentFeatures:
+        if self.restore == RESTORE_REPLAY and not self.deterministic:
+            raise ValueError("restore='replay' needs deterministic=True: replaying the recorded actions must give "
+                             "the recorded observations")
+        return self
 
 
 @dataclass(frozen=True)
@@ -127,7 +157,8 @@ class Environment(abc.ABC):
 
         ``record`` is the dataset row as a mapping: the :class:`~asyncflow_core.types.PromptRecord`'s
         ``metadata`` keys (the answer, a chat in ``messages``, ...) with ``prompt``, ``index`` and
-        ``prompt_token_ids`` beside them (a nested ``metadata`` mapping should be accepted too). ``seed`` makes a stochastic environment replayable.
+        ``prompt_token_ids`` beside them (a nested ``metadata`` mapping should be accepted too). ``seed`` makes a
+        stochastic environment replayable.
         Raise (any exception) for a row the environment cannot use: the episode fails with that reason.
         """
 

@@ -39,7 +39,9 @@ class ToolCallsConfig(BaseModel):
     error_template: str = Field("error: {reason}", description="How a bad call is shown ('{reason}').")
     blocking: bool = Field(False, description="The tools block (CPU-bound or blocking I/O): declare "
                            "features.blocking so the runtime runs episodes in worker processes.")
-    deterministic: bool = Field(True, description="The tools return the same result for the same arguments.")
+    deterministic: bool = Field(True, description="The tools return the same result for the same arguments, and "
+                                "may run again with the same effect: the environment then declares restore: replay "
+                                "(a lost one is rebuilt by replaying the episode's turns); off: restore: reset.")
 
     @field_validator("tools")
     @classmethod
@@ -56,7 +58,8 @@ def _tools(paths: tuple[str, ...]) -> tuple[Tool, ...]:
 
 def _tool_calls(config: ToolCallsConfig) -> ToolEnvironment:
     """One ToolEnvironment (one episode); its features say what the options make of it."""
-    features = EnvironmentFeatures(owns_reward=False, deterministic=config.deterministic, blocking=config.blocking)
+    features = EnvironmentFeatures(owns_reward=False, deterministic=config.deterministic, blocking=config.blocking,
+                                   restore="replay" if config.deterministic else "reset")
     return ToolEnvironment(list(_tools(tuple(config.tools))), call_format=config.format, features=features,
                            max_calls_per_turn=config.max_calls_per_turn, end_text=config.end,
                            result_template=config.result_template, error_template=config.error_template)
@@ -94,17 +97,17 @@ def asyncflow_environments():
     yield EnvironmentBackend(
         name="tool_calls", factory=_tool_calls, config_model=ToolCallsConfig,
         description="Runs the tool calls in the model's output (hermes or compact format) until it answers.",
-        features=EnvironmentFeatures(owns_reward=False),
+        features=EnvironmentFeatures(owns_reward=False, restore="replay"),
     )
     yield EnvironmentBackend(
         name="calculator", factory=_calculator, config_model=CalculatorEnvConfig,
         description="Multi-operand arithmetic solved with a one-operation calc tool over several turns.",
-        features=EnvironmentFeatures(owns_reward=True),
+        features=EnvironmentFeatures(owns_reward=True, restore="replay"),
     )
     yield EnvironmentBackend(
         name="guess", factory=_guess, config_model=GuessEnvConfig,
         description="Find a hidden number with '<'/'>' feedback each turn (the multi-turn example task).",
-        features=EnvironmentFeatures(owns_reward=True),
+        features=EnvironmentFeatures(owns_reward=True, restore="replay"),
     )
 
 

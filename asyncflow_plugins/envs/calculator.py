@@ -197,7 +197,7 @@ class CalculatorEnvironment(ToolEnvironment):
         super().__init__(
             [_one_op_calc(config.max_ops_per_call)],
             call_format=config.format,
-            features=EnvironmentFeatures(owns_reward=True, deterministic=True, blocking=False),
+            features=EnvironmentFeatures(owns_reward=True, deterministic=True, blocking=False, restore="replay"),
             max_calls_per_turn=4,
             end_text=config.end if config.format is CallFormat.COMPACT else "",
             result_template="{result}=" if config.format is CallFormat.COMPACT else "{result}",

@@ -125,7 +125,7 @@ class GuessEnvironment(Environment):
 
     def __init__(self, config: GuessEnvConfig) -> None:
         self.config = config
-        self._features = EnvironmentFeatures(owns_reward=True, deterministic=True, blocking=False)
+        self._features = EnvironmentFeatures(owns_reward=True, deterministic=True, blocking=False, restore="replay")
         self.secret: int | None = None
         self.guesses: list[int] = []
         self._delays = random.Random()

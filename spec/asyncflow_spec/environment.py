@@ -17,8 +17,12 @@ answered, never raised on; the episode runs through the runtime's
 :class:`~asyncflow_core.flow.env_pool.EnvironmentPool` within
 ``step_timeout_s`` (in worker processes when ``features.blocking``);
 a step cancelled by a time-out still lets ``close`` run; the same record,
-seed and turns replay identically when ``features.deterministic``; and a row
-the environment cannot use fails as a recorded, one-line reason.
+seed and turns replay identically when ``features.deterministic``; with
+``features.restore == "replay"``, a fresh environment reset with the same
+record and seed and stepped with the recorded actions answers with the same
+observations, rewards and ``done`` (what the runtime checks when it rebuilds a
+lost environment); and a row the environment cannot use fails as a recorded,
+one-line reason.
 """
 
 from __future__ import annotations
@@ -225,6 +229,49 @@ class EnvironmentSpec(BackendSpec):
                             await env.close()
                         runs.append((first, [_replayable(s) for s in steps]))
                     assert runs[0] == runs[1], f"seed {seed}: two replays differ"
+
+        run(main())
+
+    def test_replay_rebuilds_the_same_observations(self, make_backend):
+        """With features.restore == "replay": the episode played once, then a fresh environment reset with the same
+        record and seed and stepped with the recorded actions (the very Action objects, token ids and text) gives
+        the same first observation and, step by step, the same observation, reward and done."""
+        features = run(self._features(make_backend))
+        if features.restore != "replay":
+            pytest.skip(f"restore is {features.restore!r} in this backend's Features")
+
+        def shown(step: Step) -> tuple[Any, ...]:
+            return _replayable(step)[:3]  # observation, reward, done (info may carry timings and names)
+
+        async def main():
+            for record in self.records:
+                for seed in self.seeds:
+                    env = await self._new(make_backend)
+                    actions: list[Action] = []
+                    recorded: list[Step] = []
+                    try:
+                        first = await env.reset(record, seed=seed)
+                        for turn, text in enumerate(self.turns):
+                            action = Action(token_ids=tuple(ord(c) % 97 for c in text), text=text,
+                                            finish_reason="stop", turn=turn)
+                            actions.append(action)
+                            recorded.append(await env.step(action))
+                            if recorded[-1].done:
+                                break
+                    finally:
+                        await env.close()
+                    fresh = await self._new(make_backend)
+                    try:
+                        again = await fresh.reset(record, seed=seed)
+                        assert _replayable(Step(again)) == _replayable(Step(first)), (
+                            f"seed {seed}: reset of a fresh environment gave another first observation")
+                        for action, step in zip(actions, recorded):
+                            replayed = await fresh.step(action)
+                            assert shown(replayed) == shown(step), (
+                                f"seed {seed}, turn {action.turn}: the replayed step answers {shown(replayed)}, the "
+                                f"recorded one {shown(step)}; restore='replay' needs the same answers")
+                    finally:
+                        await fresh.close()
 
         run(main())
 
