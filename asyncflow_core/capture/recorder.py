@@ -225,6 +225,16 @@ class TextCall:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """A served call: the OpenAI response body, and the sampled tokens it was made from (for streaming)."""
+
+    body: dict[str, Any]
+    tokens: list[int]  #: what the engine sampled, as recorded (the stop token included)
+    logprobs: list[float]
+    stop_id: int | None  #: the stop token the reply ended on (its text is not in the reply), None: it did not
+
+
+@dataclass(frozen=True)
 class _Reply:
     at: int  #: index of the reply in the branch's conversation
     n_segments: int  #: segments up to and including its sampled segment
@@ -345,7 +355,7 @@ class CaptureSession:
 
     # -- a call
 
-    async def _serve(self, call: ChatCall | TextCall, serve: Any) -> dict[str, Any]:
+    async def _serve(self, call: ChatCall | TextCall, serve: Any) -> Answer:
         """One call at a time per session: refuse a closed session, count the call, record its error."""
         async with self._lock:
             if self.closed:
@@ -362,9 +372,13 @@ class CaptureSession:
 
     async def chat(self, call: ChatCall) -> dict[str, Any]:
         """Serve one chat call: sample after the recorded tokens, record, and answer in OpenAI's shape."""
+        return (await self.chat_answer(call)).body
+
+    async def chat_answer(self, call: ChatCall) -> Answer:
+        """:meth:`chat`, with the sampled tokens the body was made from (what a streamed answer is cut into)."""
         return await self._serve(call, self._chat)
 
-    async def _chat(self, call: ChatCall) -> dict[str, Any]:
+    async def _chat(self, call: ChatCall) -> Answer:
         branch, observed, observed_turn = self._plan(call)
         prompt, result, stop_id, text = await self._sample_after(branch, observed, call.sampling)
         content: str | None = text
@@ -388,10 +402,15 @@ class CaptureSession:
             choice["logprobs"] = {"content": [
                 {"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
                 for s, lp in zip(texts, logprobs)]}
-        return self._response("chatcmpl", "chat.completion", choice, prompt, tokens)
+        return Answer(self._response("chatcmpl", "chat.completion", choice, prompt, tokens), tokens, logprobs,
+                      stop_id)
 
     async def complete(self, call: TextCall) -> dict[str, Any]:
         """Serve one ``/completions`` call (a raw prompt, no chat template) the same way."""
+        return (await self.complete_answer(call)).body
+
+    async def complete_answer(self, call: TextCall) -> Answer:
+        """:meth:`complete`, with the sampled tokens the body was made from."""
         return await self._serve(call, self._complete)
 
     def _plan_text(self, call: TextCall) -> tuple[_Branch, list[int], int | None]:
@@ -434,7 +453,7 @@ class CaptureSession:
                 texts=list(branch.texts[:turn + 1]))
         return branch, observed, turn
 
-    async def _complete(self, call: TextCall) -> dict[str, Any]:
+    async def _complete(self, call: TextCall) -> Answer:
         branch, observed, observed_turn = self._plan_text(call)
         prompt, result, stop_id, text = await self._sample_after(branch, observed, call.sampling)
         finish = "stop" if result.finish_reason is FinishReason.STOP else "length"
@@ -451,7 +470,7 @@ class CaptureSession:
                 offsets.append(offsets[-1] + len(piece))
             choice["logprobs"] = {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": None,
                                   "text_offset": offsets}
-        return self._response("cmpl", "text_completion", choice, prompt, tokens)
+        return Answer(self._response("cmpl", "text_completion", choice, prompt, tokens), tokens, logprobs, stop_id)
 
     async def _sample_after(self, branch: _Branch, observed: list[int], sampling: SamplingParams):
         """Sample after the branch's tokens and ``observed``: (prompt, result, the stop id it ended on, its text)."""
@@ -555,4 +574,5 @@ class CaptureSession:
         return self.trajectory()
 
 
-__all__ = ["CaptureError", "CaptureSession", "ChatCall", "ChatRenderer", "SampleFn", "TextCall", "normalize_messages"]
+__all__ = ["Answer", "CaptureError", "CaptureSession", "ChatCall", "ChatRenderer", "SampleFn", "TextCall",
+           "normalize_messages"]

@@ -9,6 +9,11 @@ Routes (every one needs ``Authorization: Bearer <api_key>``, the per-run key):
 
 Anything refused gets an HTTP 4xx (5xx when the engine failed) and one line
 in OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``.
+
+``stream=true`` (both completion routes) is answered as Server-Sent Events
+once the call is sampled and recorded (see :mod:`asyncflow_core.capture.stream`):
+a refusal or an engine failure is still a plain HTTP error, sent before any
+chunk.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from asyncflow_core.capture import stream as sse
 from asyncflow_core.capture.recorder import (
     CaptureError,
     CaptureSession,
@@ -174,16 +180,40 @@ class CaptureServer:
         return body
 
     async def _chat(self, request: Any) -> Any:
-        web = _web()
         session = self._session(request)
-        call = self.parse_chat(await self._json(request))
-        return web.json_response(await session.chat(call))
+        body = await self._json(request)
+        call = self.parse_chat(body)
+        stream = self.parse_stream(body)
+        answer = await session.chat_answer(call)
+        if stream is None:
+            return _web().json_response(answer.body)
+        return await self._send(request, sse.chat_chunks(answer, self.renderer.decode, include_usage=stream))
 
     async def _completions(self, request: Any) -> Any:
-        web = _web()
         session = self._session(request)
-        call = self.parse_completion(await self._json(request))
-        return web.json_response(await session.complete(call))
+        body = await self._json(request)
+        call = self.parse_completion(body)
+        stream = self.parse_stream(body)
+        answer = await session.complete_answer(call)
+        if stream is None:
+            return _web().json_response(answer.body)
+        return await self._send(request, sse.completion_chunks(answer, self.renderer.decode, include_usage=stream))
+
+    async def _send(self, request: Any, chunks: Any) -> Any:
+        """A recorded answer as Server-Sent Events; an agent that hangs up mid-stream loses only its copy.
+
+        The events are built before the headers go out (a bug there is still a one-line 500) and written at once:
+        the reply is whole already."""
+        web = _web()
+        events = b"".join(sse.event(chunk) for chunk in chunks) + sse.DONE
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            await resp.write(events)
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError) as exc:  # the client went away (the call is recorded already)
+            log.debug("capture endpoint: the agent closed the stream early: %s", exc)
+        return resp
 
     async def _models(self, request: Any) -> Any:
         self._session(request)
@@ -232,13 +262,27 @@ class CaptureServer:
         if model is not None and model != self.model:
             raise CaptureError(404, f"the model {model!r} is not served here; use model={self.model!r}",
                                param="model", code="model_not_found")
-        if body.get("stream"):
-            raise bad("stream=true is not supported by the capture endpoint; call without streaming", "stream")
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise bad(f"stream must be true or false, got {stream!r}", "stream")
+        options = body.get("stream_options")
+        if options is not None:
+            if not stream:
+                raise bad("stream_options is only allowed with stream=true", "stream_options")
+            if not isinstance(options, Mapping) or not isinstance(options.get("include_usage", False), bool):
+                raise bad("stream_options must be an object like {\"include_usage\": true}", "stream_options")
         for key in ("n", "best_of"):
             n = body.get(key)
             if n is not None and n != 1:
                 raise bad(f"{key}={n!r} is not supported: the capture endpoint returns one choice per call; "
                           "make separate calls (or sessions)", key)
+
+    @staticmethod
+    def parse_stream(body: dict[str, Any]) -> bool | None:
+        """None: answer with one JSON body; else stream it, True: with the usage chunk (after :meth:`_common`)."""
+        if not body.get("stream"):
+            return None
+        return bool((body.get("stream_options") or {}).get("include_usage", False))
 
     def parse_completion(self, body: dict[str, Any]) -> TextCall:
         """A ``/completions`` body as a :class:`TextCall`, or the :class:`CaptureError` refusing it."""

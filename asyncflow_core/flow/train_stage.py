@@ -73,9 +73,12 @@ class TrainStage(Stage):
                     if meta.end_of_stream:
                         ended = True
                         break
-                    leases.append(meta)
                     batch = await ctx.store.get(meta)
                     keep = self._settle(v, meta, batch)
+                    if keep.numel():
+                        leases.append(meta)
+                    else:  # every row settled (dropped or re-queued): done with, or the stream's end never shows
+                        await ctx.store.ack(meta)
                     if keep.numel() < batch.num_rows:
                         await ctx.notify()  # re-queued or dropped groups: the feeder may start prompts now
                     if keep.numel():

@@ -6,7 +6,8 @@ a turn request through the rollout stage's dispatch (the recording engine
 sees it); each written row is checked against what the engine sampled: the
 trained sequence (the row's ``prompt_ids`` + ``response_ids``) is the last
 call's prompt plus its tokens, every sampled run of the loss mask is exactly
-an engine result, and the tool message's tokens are mask 0.
+an engine result, and the tool message's tokens are mask 0. A run whose every
+agent fails ends, once the data runs out, with the reason instead of waiting.
 """
 
 from __future__ import annotations
@@ -196,3 +197,41 @@ def test_a_captured_openai_agent_trains_for_two_steps_on_exactly_the_sampled_tok
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["episode/turns"] == 3.0 and 0 < r["episode/masked_frac"] < 1
+
+
+WATCHDOG_S = 240  #: a hang guard, not a timing: the run stops in seconds
+
+FAILING = textwrap.dedent('''
+    async def agent(record, *, base_url, api_key, **options):
+        raise RuntimeError("the agent's own bug")
+''')
+
+
+def test_a_run_whose_every_agent_fails_stops_with_the_reason_once_the_data_runs_out(checkpoint, tmp_path,
+                                                                                   monkeypatch):
+    """Every row fails and is dropped; the one-epoch dataset runs out: the run ends saying so (it used to wait
+    forever: the trainer held the leases of the dropped rows, so the store never reported the stream's end)."""
+    (tmp_path / "pkg_failing").mkdir()
+    (tmp_path / "pkg_failing" / "__init__.py").write_text("")
+    (tmp_path / "pkg_failing" / "bad.py").write_text(FAILING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runtime = _runtime(checkpoint, tmp_path, "pkg_failing.bad:agent")
+
+    async def bounded():  # a regression fails with the watchdog's reason (RunStopped) instead of hanging the suite
+        async def watchdog():
+            await asyncio.sleep(WATCHDOG_S)
+            runtime.ctx.halt(f"watchdog: the run did not stop by itself within {WATCHDOG_S}s")
+
+        dog = asyncio.ensure_future(watchdog())
+        try:
+            await runtime.run()
+        finally:
+            dog.cancel()
+
+    asyncio.run(bounded())
+    summary = runtime.summary
+    assert summary["steps"] == 0
+    assert summary["stop_reason"] == "the prompt stream ended before step 0 could gather 2 prompt groups", summary
+    rows = len(DATA.read_text().splitlines())
+    assert summary["ledger"]["dropped_failed"] == summary["ledger"]["admitted"] == rows
+    assert summary["counters"]["episodes_failed"] == 2 * rows  # n = 2 per prompt, each failed once
