@@ -25,6 +25,9 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("openai")
 
 from asyncflow_core import columns as C  # noqa: E402
+from asyncflow_core.capture.testing import (  # noqa: E402
+    masked_runs, recording, sampled_after, tool_message_hits, write_agent_package,
+)
 from asyncflow_core.config import load_config, resolve  # noqa: E402
 from asyncflow_core.flow import run_report  # noqa: E402
 from asyncflow_core.flow.runtime import FlowRuntime  # noqa: E402
@@ -55,17 +58,7 @@ AGENT = textwrap.dedent('''
 ''')
 
 
-class Recording(TorchRolloutEngine):
-    """The torch engine, keeping every request and result."""
-
-    requests: list = []
-    results: list = []
-
-    async def generate(self, requests):
-        Recording.requests.extend(requests)
-        async for res in super().generate(requests):
-            Recording.results.append(res)
-            yield res
+Recording = recording(TorchRolloutEngine)
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +68,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def agent_module(tmp_path, monkeypatch) -> str:
-    (tmp_path / "pkg_agents").mkdir()
-    (tmp_path / "pkg_agents" / "__init__.py").write_text("")
-    (tmp_path / "pkg_agents" / "tooling.py").write_text(AGENT)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "pkg_agents.tooling:agent"
+    return write_agent_package(tmp_path, "pkg_agents", AGENT, monkeypatch)
 
 
 def _runtime(checkpoint: Path, tmp_path: Path, entry: str) -> FlowRuntime:
@@ -135,11 +124,8 @@ def test_a_captured_openai_agent_trains_for_two_steps_on_exactly_the_sampled_tok
     hf = AutoTokenizer.from_pretrained(str(checkpoint))
     tool_ids = hf.encode("<|im_start|>tool\ntool says 7<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     results = {r.request_id: r for r in Recording.results}
-    sampled: dict[tuple, list] = {}  # the prompt a request was sampled after -> what the engine returned for it
-    for q in Recording.requests:
-        res = results.get(q.request_id)
-        if res is not None and res.finish_reason.value in ("stop", "length"):
-            sampled.setdefault(tuple(q.prompt_token_ids), []).append(list(res.token_ids))
+    sampled = {prefix: [tokens for tokens, _ in got]  # the prompt a request was sampled after -> what it returned
+               for prefix, got in sampled_after((q, results.get(q.request_id)) for q in Recording.requests).items()}
 
     records = {}  # the agent's first prompt -> the dataset messages it came from
     for line in DATA.read_text().splitlines():
@@ -161,23 +147,14 @@ def test_a_captured_openai_agent_trains_for_two_steps_on_exactly_the_sampled_tok
             full = prompt + resp
             seqs.add((tuple(full), tuple(mask)))
             # every maximal run of mask 1 is one engine result, sampled after exactly the tokens before it
-            k = 0
             calls = 0
-            while k < len(resp):
-                if not mask[k]:
-                    k += 1
-                    continue
-                end = k
-                while end < len(resp) and mask[end]:
-                    end += 1
-                before = tuple(full[:len(prompt) + k])
+            for k, end, before in masked_runs(prompt, resp, mask):
                 assert resp[k:end] in sampled.get(before, []), f"row {_row}: tokens {k}:{end} are not what the " \
                                                               "engine sampled after that prefix"
                 calls += 1
-                k = end
             assert calls == 3
             # the tool message's tokens are all mask 0
-            hits = [j for j in range(len(resp) - len(tool_ids) + 1) if resp[j:j + len(tool_ids)] == tool_ids]
+            hits = tool_message_hits(resp, tool_ids)
             assert len(hits) == 2, f"row {_row}: the tool message should appear twice"
             for j in hits:
                 assert not any(mask[j:j + len(tool_ids)])

@@ -26,6 +26,9 @@ pytest.importorskip("openai")
 pytest.importorskip("asyncflow_fsdp", reason="the asyncflow-fsdp adapter is not installed (make installs it)")
 
 from asyncflow_core import columns as C  # noqa: E402
+from asyncflow_core.capture.testing import (  # noqa: E402
+    masked_runs, sampled_after, tool_message_hits, write_agent_package,
+)
 from asyncflow_core.config.loader import load_config, resolve  # noqa: E402
 from asyncflow_core.flow.trajectory_writer import TrajectoryWriter  # noqa: E402
 from asyncflow_core.launchers.ray import remote as R  # noqa: E402
@@ -62,11 +65,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def agent_module(tmp_path, monkeypatch) -> str:
-    (tmp_path / "pkg_ray_agents").mkdir()
-    (tmp_path / "pkg_ray_agents" / "__init__.py").write_text("")
-    (tmp_path / "pkg_ray_agents" / "tooling.py").write_text(AGENT)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "pkg_ray_agents.tooling:agent"
+    return write_agent_package(tmp_path, "pkg_ray_agents", AGENT, monkeypatch)
 
 
 @pytest.mark.slow
@@ -144,10 +143,7 @@ def test_a_captured_agent_trains_under_ray_on_what_the_replica_actors_sampled(ch
 
     hf = AutoTokenizer.from_pretrained(str(checkpoint))
     tool_ids = hf.encode(f"<|im_start|>tool\n{TOOL_TEXT}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    sampled: dict[tuple, list] = {}
-    for q, res in seen:
-        if res.finish_reason.value in ("stop", "length"):
-            sampled.setdefault(tuple(q.prompt_token_ids), []).append(list(res.token_ids))
+    sampled = {prefix: [tokens for tokens, _ in got] for prefix, got in sampled_after(seen).items()}
     rows = 0
     for cols in written:
         for i in range(len(cols[C.PROMPT_IDS])):
@@ -155,20 +151,13 @@ def test_a_captured_agent_trains_under_ray_on_what_the_replica_actors_sampled(ch
             mask = cols[C.LOSS_MASK][i].tolist()
             assert resp and int(cols[C.EPISODE_TURNS][i]) == 2
             rows += 1
-            full, k, runs = prompt + resp, 0, 0
-            while k < len(resp):  # every run of mask 1 is a replica actor's result after exactly the tokens before it
-                if not mask[k]:
-                    k += 1
-                    continue
-                end = k
-                while end < len(resp) and mask[end]:
-                    end += 1
-                assert resp[k:end] in sampled.get(tuple(full[:len(prompt) + k]), []), \
+            runs = 0
+            for k, end, before in masked_runs(prompt, resp, mask):  # each: a replica actor's result after `before`
+                assert resp[k:end] in sampled.get(before, []), \
                     f"tokens {k}:{end} are not what a replica actor sampled after that prefix"
                 runs += 1
-                k = end
             assert runs == 2
-            hits = [j for j in range(len(resp) - len(tool_ids) + 1) if resp[j:j + len(tool_ids)] == tool_ids]
+            hits = tool_message_hits(resp, tool_ids)
             assert len(hits) == 1 and not any(mask[hits[0]:hits[0] + len(tool_ids)])
     assert rows >= 2 * 2 * 2  # 2 steps x 2 prompts x n=2
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

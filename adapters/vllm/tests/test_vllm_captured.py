@@ -28,6 +28,9 @@ pytest.importorskip("openai")
 pytest.importorskip("asyncflow_fsdp", reason="the asyncflow-fsdp adapter is not installed (make installs it)")
 
 from asyncflow_core import columns as C  # noqa: E402
+from asyncflow_core.capture.testing import (  # noqa: E402
+    masked_runs, recording, sampled_after, tool_message_hits, write_agent_package,
+)
 from asyncflow_core.config import load_config, resolve  # noqa: E402
 from asyncflow_core.flow.runtime import FlowRuntime  # noqa: E402
 from asyncflow_core.flow.trajectory_writer import TrajectoryWriter  # noqa: E402
@@ -66,17 +69,7 @@ AGENT = textwrap.dedent('''
 ''')
 
 
-class Recording(VLLMRolloutEngine):
-    """The vllm engine, keeping every request and result."""
-
-    requests: list = []
-    results: list = []
-
-    async def generate(self, requests):
-        Recording.requests.extend(requests)
-        async for res in super().generate(requests):
-            Recording.results.append(res)
-            yield res
+Recording = recording(VLLMRolloutEngine)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +93,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def agent_module(tmp_path, monkeypatch) -> str:
-    (tmp_path / "pkg_vllm_agents").mkdir()
-    (tmp_path / "pkg_vllm_agents" / "__init__.py").write_text("")
-    (tmp_path / "pkg_vllm_agents" / "tooling.py").write_text(AGENT)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    return "pkg_vllm_agents.tooling:agent"
+    return write_agent_package(tmp_path, "pkg_vllm_agents", AGENT, monkeypatch)
 
 
 def _runtime(checkpoint: Path, tmp_path: Path, entry: str, log: Path) -> FlowRuntime:
@@ -155,11 +144,8 @@ def test_a_captured_openai_agent_trains_on_exactly_what_vllm_sampled(checkpoint,
     im_end = hf.convert_tokens_to_ids("<|im_end|>")
     tool_ids = hf.encode(f"<|im_start|>tool\n{TOOL_TEXT}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     results = {r.request_id: r for r in Recording.results}
-    sampled: dict[tuple, list] = {}  # the prompt vLLM sampled after -> what it returned (tokens, log-probs)
-    for q in Recording.requests:
-        res = results.get(q.request_id)
-        if res is not None and res.finish_reason.value in ("stop", "length"):
-            sampled.setdefault(tuple(q.prompt_token_ids), []).append((list(res.token_ids), list(res.logprobs)))
+    # the prompt vLLM sampled after -> what it returned (tokens, log-probs)
+    sampled = sampled_after((q, results.get(q.request_id)) for q in Recording.requests)
     answers = [json.loads(line) for line in log.read_text().splitlines()]  # what the agent was told
     told = {(a["content"], tuple(a["logprobs"])) for a in answers}
     assert {a["streamed"] for a in answers} == {False, True}
@@ -172,16 +158,10 @@ def test_a_captured_openai_agent_trains_on_exactly_what_vllm_sampled(checkpoint,
             assert resp, "a captured row failed"
             assert int(cols[C.EPISODE_TURNS][i]) == 2
             rows += 1
-            full, k, runs = prompt + resp, 0, 0
-            while k < len(resp):  # every maximal run of mask 1: one vLLM result after exactly the tokens before it
-                if not mask[k]:
-                    k += 1
-                    continue
-                end = k
-                while end < len(resp) and mask[end]:
-                    end += 1
+            runs = 0
+            for k, end, before in masked_runs(prompt, resp, mask):  # each: one vLLM result after exactly `before`
                 tokens = resp[k:end]
-                got = dict((tuple(t), lp) for t, lp in sampled.get(tuple(full[:len(prompt) + k]), []))
+                got = dict((tuple(t), lp) for t, lp in sampled.get(before, []))
                 assert tuple(tokens) in got, f"tokens {k}:{end} are not what vLLM sampled after that prefix"
                 assert lps[k:end] == pytest.approx(got[tuple(tokens)], abs=1e-6)  # float32 column
                 # ... and they are what the endpoint told the agent: the reply's text and each token's log-prob
@@ -189,9 +169,8 @@ def test_a_captured_openai_agent_trains_on_exactly_what_vllm_sampled(checkpoint,
                 match = [lp for content, lp in told if content == text and len(lp) == len(tokens)]
                 assert any(lp == pytest.approx(lps[k:end], abs=1e-6) for lp in match), text
                 runs += 1
-                k = end
             assert runs == 2
-            hits = [j for j in range(len(resp) - len(tool_ids) + 1) if resp[j:j + len(tool_ids)] == tool_ids]
+            hits = tool_message_hits(resp, tool_ids)
             assert len(hits) == 1 and not any(mask[hits[0]:hits[0] + len(tool_ids)])
     assert rows >= 4  # one step: 2 prompts x n=2
     assert len(answers) >= 2 * rows  # two calls per trained row (the rollout may have run ahead of the trainer)
