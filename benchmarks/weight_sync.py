@@ -1,7 +1,7 @@
 """Weight sync benchmark: one model's weights from a trainer to a rollout engine, export -> transport -> load.
 
     PYTHONPATH=.:spec python benchmarks/weight_sync.py [--json] [--size 0.5b|100m|10m]
-        [--transports inprocess,shm,dist] [--repeats 2] [--bucket-mb 64]
+        [--transports inprocess,shm,dist] [--export fresh,arena] [--repeats 2] [--warmup 2] [--bucket-mb 64]
 
 The model is a Hugging Face ``Qwen2ForCausalLM`` with random fp32 weights
 built on CPU (``--size 0.5b`` is the Qwen2.5-0.5B shape: 494M parameters,
@@ -10,7 +10,11 @@ sync is what a trainer at world 1 and the torch rollout engine do:
 
 - **export**: ``pack_buckets`` over the trainer model's ``state_dict`` (tied
   tensors once, as the fsdp worker exports them): the copy into bucket
-  buffers plus the sender's digests;
+  buffers plus the sender's digests. ``--export arena`` (the default) packs
+  into an ``ExportArena`` kept across versions (and the ``shm`` receiver
+  copies into its own, ``reuse_buffers``); ``fresh`` allocates new buffers
+  every sync on both sides, as before the arena. ``--export fresh,arena``
+  measures both, one after the other, in one invocation;
 - **transfer**: ``transport.send`` until the engine side holds every bucket
   verified (``receive`` recomputes the digests);
 - **load**: ``collect_update`` (the contract's checks, digests included)
@@ -21,8 +25,9 @@ sync is what a trainer at world 1 and the torch rollout engine do:
 receiver, outermost calls only), so export + transfer + load = total and
 digest overlaps them. ``inprocess``: engine in this process. ``shm``:
 engine in a spawned process. ``dist``: a 2-rank gloo group, engine on the
-spawned rank 1. Each transport runs one warm-up sync, then ``--repeats``
-measured ones (median shown). ``memcpy`` is a ``copy_`` of the same number
+spawned rank 1. Each transport runs ``--warmup`` syncs (2: both arena
+slots and both ``shm`` segments are touched), then ``--repeats`` measured
+ones (median shown). ``memcpy`` is a ``copy_`` of the same number
 of bytes into an already-touched buffer, measured in the same run. GB/s
 counts the model's bytes once (10^9 bytes per GB).
 
@@ -213,11 +218,13 @@ def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], 
 
 
 async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: torch.nn.Module,
-                   clock: DigestClock) -> list[dict[str, float]]:
+                   clock: DigestClock, *, export: str = "arena", warmup: int = 2) -> list[dict[str, float]]:
     from asyncflow_core.plugins import get_plugin_manager
     from asyncflow_core.types import pack_buckets
+    from asyncflow_core.types.weights import ExportArena
 
-    versions = list(range(1, repeats + 2))  # the first is a warm-up
+    arena = ExportArena() if export == "arena" else None
+    versions = list(range(1, repeats + warmup + 1))  # the first ``warmup`` are not measured
     port = _free_port()
     name = f"wsync.{os.getpid()}"
     proc = conn = None
@@ -228,6 +235,8 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         options = _options(kind, rank=1, port=port, name=name, disk_dir="")
+        if kind == "shm":
+            options["reuse_buffers"] = arena is not None
         proc = ctx.Process(target=_engine, args=(kind, options, size, versions, child))
         proc.start()
     sender = get_plugin_manager().create("weight_transport", kind,
@@ -242,7 +251,8 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
                 tensors[0][1].add_(1e-3)
             clock.take()
             start = time.monotonic()
-            buckets = list(pack_buckets(tensors, version=version, bucket_bytes=bucket_mb << 20))
+            allocate = arena.allocator() if arena is not None else None
+            buckets = list(pack_buckets(tensors, version=version, bucket_bytes=bucket_mb << 20, allocate=allocate))
             exported = time.monotonic()
             digest = clock.take()
             await sender.send(_aiter(buckets), deadline_s=DEADLINE_S)
@@ -273,7 +283,9 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
         check = dict(tensors)
         name0 = tensors[-1][0]
         assert torch.equal(params[name0], check[name0]), "the engine's weights differ from the trainer's"
-    return rows[1:]
+    if arena is not None and rows:
+        rows[-1]["arena"] = arena.stats()
+    return rows[warmup:]
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> float:
@@ -287,7 +299,8 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int) -> dict:
+def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int, *,
+              exports: tuple[str, ...] = ("arena",), warmup: int = 2) -> dict:
     clock = DigestClock()
     clock.install()
     trainer = build_model(size, seed=1)
@@ -295,13 +308,20 @@ def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int) ->
     memcpy = memcpy_seconds(nbytes, repeats)
     rows = [{"transport": "memcpy", "seconds": memcpy, "gb_per_s": nbytes / memcpy / 1e9}]
     for kind in transports:
-        measured = asyncio.run(_measure(kind, size, repeats, bucket_mb, trainer, clock))
-        rows.append(_median_row(kind, measured, nbytes))
+        for export in exports:
+            measured = asyncio.run(_measure(kind, size, repeats, bucket_mb, trainer, clock, export=export,
+                                            warmup=warmup))
+            row = _median_row(f"{kind}/{export}", measured, nbytes)
+            if "arena" in measured[-1]:
+                row["arena"] = measured[-1]["arena"]
+            row["memcpy_ratio"] = row["total_s"] / memcpy
+            rows.append(row)
     return {
         "benchmark": "weight_sync",
         "size": size,
         "bytes": nbytes,
         "repeats": repeats,
+        "warmup": warmup,
         "bucket_mb": bucket_mb,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "omp_threads": torch.get_num_threads(), "platform": platform.platform()},
@@ -387,13 +407,15 @@ def print_table(report: dict) -> None:
     what = "adapter" if report["benchmark"] == "weight_sync_lora" else "fp32"
     print(f"weight sync: Qwen2 {report['size']} shape, {report['bytes'] / 1e9:.3f} GB {what}, buckets of "
           f"{report['bucket_mb']} MiB, median of {report['repeats']}; {m['cpus']} CPUs, torch {m['torch']}")
-    print(f"{'transport':<10} {'export':>7} {'digest':>7} {'transfer':>9} {'load':>7} {'total s':>8} {'GB/s':>6}")
+    print(f"{'transport':<16} {'export':>7} {'digest':>7} {'transfer':>9} {'load':>7} {'total s':>8} {'GB/s':>6} "
+          f"{'x memcpy':>8}")
     for r in report["results"]:
         if r["transport"] == "memcpy":
-            print(f"{'memcpy':<10} {'':>7} {'':>7} {'':>9} {'':>7} {r['seconds']:>8.3f} {r['gb_per_s']:>6.2f}")
+            print(f"{'memcpy':<16} {'':>7} {'':>7} {'':>9} {'':>7} {r['seconds']:>8.3f} {r['gb_per_s']:>6.2f}")
             continue
-        print(f"{r['transport']:<10} {r['export_s']:>7.3f} {r['digest_s']:>7.3f} {r['transfer_s']:>9.3f} "
-              f"{r['load_s']:>7.3f} {r['total_s']:>8.3f} {r['gb_per_s']:>6.2f}")
+        ratio = f"{r['memcpy_ratio']:>8.1f}" if "memcpy_ratio" in r else ""
+        print(f"{r['transport']:<16} {r['export_s']:>7.3f} {r['digest_s']:>7.3f} {r['transfer_s']:>9.3f} "
+              f"{r['load_s']:>7.3f} {r['total_s']:>8.3f} {r['gb_per_s']:>6.2f} {ratio}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="Measured syncs per transport (median shown).")
     parser.add_argument("--transports", default=",".join(ALL_TRANSPORTS), help="Which transports to run.")
     parser.add_argument("--bucket-mb", type=int, default=64, help="Bucket size of the export.")
+    parser.add_argument("--export", default="arena",
+                        help="Export buffers: arena (kept across versions), fresh (new every sync), or both: fresh,arena.")
+    parser.add_argument("--warmup", type=int, default=2, help="Unmeasured syncs before the measured ones.")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK",
                         help="Measure an adapter-only sync of a LoRA adapter of this rank (inprocess, torch engine).")
     parser.add_argument("--lora-modes", default="merged,live", help="With --lora: the torch engine's lora_mode(s).")
@@ -413,13 +438,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown transports {sorted(unknown)}; choose from {ALL_TRANSPORTS}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    exports = tuple(e for e in args.export.split(",") if e)
+    if not exports or set(exports) - {"fresh", "arena"}:
+        parser.error(f"--export takes fresh, arena or fresh,arena, got {args.export!r}")
+    if args.warmup < 0:
+        parser.error("--warmup must be at least 0")
     if args.lora is not None:
         modes = [m for m in args.lora_modes.split(",") if m]
         if args.lora < 1 or set(modes) - {"merged", "live"} or not modes:
             parser.error("--lora takes a rank >= 1 and --lora-modes a list of merged, live")
         report = run_lora_bench(args.size, args.lora, modes, args.repeats, args.bucket_mb)
     else:
-        report = run_bench(transports, args.size, args.repeats, args.bucket_mb)
+        report = run_bench(transports, args.size, args.repeats, args.bucket_mb, exports=exports, warmup=args.warmup)
     if args.json:
         print(json.dumps(report))
     else:

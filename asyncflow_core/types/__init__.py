@@ -6,6 +6,7 @@ from asyncflow_core.types.generation import FinishReason, GenerationRequest, Gen
 from asyncflow_core.types.ragged import RaggedTensor
 from asyncflow_core.types.records import PromptRecord, RewardInput, RewardOutput
 from asyncflow_core.types.weights import (
+    ExportArena,
     ModelTensors,
     TensorMeta,
     WeightBucket,
@@ -20,6 +21,7 @@ from asyncflow_core.types.weights import (
 __all__ = [
     "Batch",
     "Column",
+    "ExportArena",
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",

@@ -6,6 +6,7 @@ import asyncio
 import math
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterable, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -312,6 +313,122 @@ def pack_buckets(
         size += nbytes
         current = nxt
     yield flush(last=True)
+
+
+def _storage_users(buffer: torch.Tensor) -> int | None:
+    """How many tensors (views included) use ``buffer``'s storage; None when this torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    return int(count(buffer.untyped_storage()._cdata))
+
+
+class _Slot:
+    """One version's buffers in an :class:`ExportArena`, with the storage users the arena itself accounts for."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.own: list[int] = []
+        self.claim: Callable[[], object] | None = None  #: weak reference to the allocate function filling it
+
+    def free(self) -> bool:
+        """True when no allocate function is filling the slot and nothing outside the arena uses a buffer of it."""
+        if self.claim is not None and self.claim() is not None:
+            return False
+        for buffer, own in zip(self.buffers, self.own, strict=True):
+            users = _storage_users(buffer)
+            if users is None or users > own:
+                return False
+        return True
+
+
+class ExportArena:
+    """Buffers for weight versions kept across versions: reused once nothing holds the version they carried.
+
+    Pass ``allocate=arena.allocator()`` to :func:`pack_buckets` for each
+    version (a receiver takes its copy's buffer the same way). Each call to
+    :meth:`allocator` picks a *slot* (one version's buffers) that is free:
+    no allocate function still refers to it (``pack_buckets`` holds its
+    ``allocate`` until the last bucket is packed), and none of its buffers is
+    used by anything outside the arena: a bucket, a view from
+    :meth:`WeightBucket.tensors`, a numpy array or memoryview of it. The
+    check is the storage's use count, so a receiver that still holds any
+    part of a version keeps its slot from being rewritten, with no call to
+    make when it is done. A version staged by a transport is held, so a
+    trainer exporting the next version gets the other slot (double
+    buffering); a slot is made when none is free, up to ``max_slots`` (a
+    third covers a receiver still reading the version before the staged
+    one), and past that a version gets fresh buffers the arena does not
+    keep (counted in :meth:`stats` as ``fresh_versions``).
+
+    Why: a fresh buffer of tens of MiB is new pages from the OS, and
+    writing it page-faults every page; a kept buffer's pages are already
+    mapped (docs/performance.md, "Weight sync"). The price: the kept slots
+    stay allocated (:meth:`stats`' ``kept_bytes``) until the arena goes.
+    The contract is for host memory, and for device memory used on one
+    stream: a write into a reused buffer is ordered after reads already
+    issued on the same stream, while reads in flight on another stream are
+    not seen by the use count. Thread-safe. When this torch cannot report a
+    storage's use count, every version gets fresh buffers (never an unsafe
+    reuse).
+    """
+
+    def __init__(self, *, max_slots: int = 3, device: torch.device | str = "cpu") -> None:
+        if max_slots < 2:
+            raise ValueError(f"an export arena needs max_slots >= 2 (double-buffered), got {max_slots}")
+        self.max_slots = max_slots
+        self.device = torch.device(device)
+        self._can_count = _storage_users(torch.empty(0)) is not None
+        self._slots: list[_Slot] = []
+        self._lock = threading.Lock()
+        self._stats = {"versions": 0, "reused_bytes": 0, "allocated_bytes": 0, "fresh_versions": 0}
+
+    def allocator(self) -> Callable[[int], torch.Tensor]:
+        """``allocate(nbytes)`` for one version's buckets, in order: 1-D uint8 buffers of a free slot."""
+        index = 0
+        slot: _Slot | None = None
+
+        def allocate(nbytes: int) -> torch.Tensor:
+            nonlocal index
+            i, index = index, index + 1
+            assert slot is not None
+            with self._lock:
+                if i < len(slot.buffers) and slot.buffers[i].numel() >= nbytes:
+                    self._stats["reused_bytes"] += nbytes
+                else:
+                    self._stats["allocated_bytes"] += nbytes
+                    buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    own = _storage_users(buffer)
+                    assert own is not None
+                    if i < len(slot.buffers):
+                        slot.buffers[i], slot.own[i] = buffer, own
+                    else:
+                        slot.buffers.append(buffer)
+                        slot.own.append(own)
+                return slot.buffers[i][:nbytes]
+
+        with self._lock:
+            self._stats["versions"] += 1
+            slot = next((s for s in self._slots if s.free()), None)
+            if slot is None and len(self._slots) < self.max_slots and self._can_count:
+                slot = _Slot()
+                self._slots.append(slot)
+            if slot is None:
+                self._stats["fresh_versions"] += 1
+                return self._fresh
+            slot.claim = weakref.ref(allocate)
+        return allocate
+
+    def _fresh(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            self._stats["allocated_bytes"] += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def stats(self) -> dict[str, int]:
+        """Versions handed out, bytes reused and newly allocated, versions that got unkept fresh buffers, slots."""
+        with self._lock:
+            return {**self._stats, "slots": len(self._slots),
+                    "kept_bytes": sum(b.numel() for s in self._slots for b in s.buffers)}
 
 
 class ModelTensors:

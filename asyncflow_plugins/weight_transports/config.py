@@ -26,6 +26,11 @@ class ShmTransportConfig(BaseModel):
         "temporary directory when it does not exist (e.g. macOS).",
     )
     poll_interval_s: float = Field(0.005, gt=0, description="How often a waiting receiver re-reads the manifest.")
+    reuse_buffers: bool = Field(
+        True,
+        description="A receiver copies each version into buffers kept across versions (an ExportArena), reused "
+        "once nothing holds the version they carried; False allocates fresh memory per version.",
+    )
 
 
 class DistTransportConfig(BaseModel):

@@ -15,7 +15,8 @@ files under ``directory`` (``/dev/shm``, i.e. RAM):
   a receiver re-reads it after copying, and a copy that raced with a rewrite
   (a receiver slower than two whole sends) is detected and retried.
 
-Receivers map the segment and copy the payload into their own buffer, hashing
+Receivers map the segment and copy the payload into their own buffer (kept
+across versions in an ``ExportArena`` unless ``reuse_buffers`` is off), hashing
 each span right after copying it (one pass, on the digest threads), check the
 generation, then compare every bucket's digest before yielding any. The
 sender unlinks its segments and the manifest on ``close()`` (and, as a
@@ -56,7 +57,14 @@ from asyncflow_plugins.weight_transports.manifest import (
     parse_manifest,
     pid_alive,
 )
-from asyncflow_core.types.weights import digest_leaf, digest_pool, digest_root, digest_spans, verify_buckets
+from asyncflow_core.types.weights import (
+    ExportArena,
+    digest_leaf,
+    digest_pool,
+    digest_root,
+    digest_spans,
+    verify_buckets,
+)
 
 FEATURES = TransportFeatures(cross_process=True, cross_host=False, devices=("cpu",))
 PREFIX = "asyncflow-wt-"
@@ -128,6 +136,8 @@ class ShmWeightTransport(WeightTransport):
         self._counter = 0
         self._lock = threading.Lock()
         self._closed = False
+        # a receiver's copies: kept pages, no page faults per version; a version an engine still holds is never reused
+        self._payloads = ExportArena() if self.config.reuse_buffers else None
         # unlinks whatever this sender created if close() is never called (GC or interpreter exit)
         self._owned: list[Path] = []
         self._finalizer = weakref.finalize(self, _unlink_all, self._owned)
@@ -307,7 +317,10 @@ class ShmWeightTransport(WeightTransport):
         # one task per digest span, on the digest threads: copy it out of the segment, hash the private copy
         jobs = [(i, e.offset + a, e.offset + b)
                 for i, e in enumerate(weights.buckets) for a, b in digest_spans(e.nbytes)]
-        payload = torch.empty(weights.total_bytes, dtype=torch.uint8)
+        if self._payloads is not None:
+            payload = self._payloads.allocator()(weights.total_bytes)
+        else:
+            payload = torch.empty(weights.total_bytes, dtype=torch.uint8)
         dst = payload.numpy()
         source = None
         try:

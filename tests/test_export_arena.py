@@ -1,0 +1,249 @@
+"""``ExportArena``: weight-version buffers kept across versions, never rewritten while anything still holds them.
+
+The oracle is independent of the arena: each version's bytes are snapshotted
+(cloned) when it is packed, and every version a receiver still holds must
+equal its snapshot and verify against its checksum after later exports.
+Reuse is observed through the buffers' data pointers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncflow_core.types import WeightBucket, pack_buckets
+from asyncflow_core.types.weights import ExportArena, verify_buckets
+from asyncflow_plugins.transports import InProcessTransport
+from asyncflow_plugins.weight_transports.config import ShmTransportConfig
+from asyncflow_plugins.weight_transports.shm import ShmWeightTransport
+
+DEADLINE_S = 30.0
+
+
+def weights(version: int, *, rows: int = 64) -> list[tuple[str, torch.Tensor]]:
+    """Tensors whose values (and, with ``rows``, sizes) differ per version; the odd sizes leave alignment padding."""
+    gen = torch.Generator().manual_seed(version)
+    return [
+        ("embed.weight", torch.randn(rows, 16, generator=gen)),
+        ("norm.weight", torch.randn(7, generator=gen).to(torch.bfloat16)),
+        ("mlp.weight", torch.randn(16, 33, generator=gen)),
+        ("head.bias", torch.randn(5, generator=gen)),
+    ]
+
+
+def export(arena: ExportArena | None, version: int, **kw) -> list[WeightBucket]:
+    allocate = arena.allocator() if arena is not None else None
+    return list(pack_buckets(weights(version, **kw), version=version, bucket_bytes=2048, allocate=allocate))
+
+
+def snapshot(buckets: list[WeightBucket]) -> list[torch.Tensor]:
+    return [b.buffer.clone() for b in buckets]
+
+
+def assert_intact(buckets: list[WeightBucket], saved: list[torch.Tensor]) -> None:
+    for bucket, before in zip(buckets, saved, strict=True):
+        assert torch.equal(bucket.buffer, before), f"bucket {bucket.index} of version {bucket.version} was rewritten"
+    verify_buckets([dataclass_copy(b) for b in buckets])  # hashed afresh, not the remembered verdict
+
+
+def dataclass_copy(bucket: WeightBucket) -> WeightBucket:
+    return WeightBucket(bucket.version, bucket.index, bucket.metas, bucket.buffer, bucket.checksum, bucket.last)
+
+
+def pointers(buckets: list[WeightBucket]) -> set[int]:
+    return {b.buffer.data_ptr() for b in buckets}
+
+
+# ---------------------------------------------------------------- the arena alone
+
+
+def test_a_dropped_version_is_reused_and_a_held_one_is_not() -> None:
+    arena = ExportArena()
+    first = pointers(export(arena, 1))  # dropped at once
+    assert pointers(export(arena, 2)) == first  # one slot is enough while nothing holds a version
+    staged = export(arena, 3)  # held, as a transport holds the version it staged
+    assert pointers(staged) == first
+    following = export(arena, 4)
+    assert pointers(following).isdisjoint(first)  # double-buffered: the held version's slot is not touched
+    staged = following  # the transport stages 4, dropping 3
+    assert pointers(export(arena, 5)) == first
+    stats = arena.stats()
+    assert stats["slots"] == 2 and stats["fresh_versions"] == 0
+    assert stats["reused_bytes"] == 3 * stats["allocated_bytes"] / 2  # versions 2, 3 and 5 reused
+    del staged
+
+
+def test_an_allocator_in_use_keeps_its_slot_from_another_export() -> None:
+    arena = ExportArena()
+    packing = arena.allocator()  # an export in progress that has not asked for a buffer yet
+    other = arena.allocator()
+    first = packing(256).data_ptr()
+    assert first != other(256).data_ptr()
+    assert arena.stats()["slots"] == 2
+    del packing  # finished, its buffer dropped: its slot is free again; ``other`` still claims its own
+    assert arena.allocator()(256).data_ptr() == first
+    assert arena.stats()["slots"] == 2
+
+
+def test_a_reused_buffer_packs_the_same_bytes_and_checksum_as_a_fresh_one() -> None:
+    arena = ExportArena()
+    dirty = export(arena, 1, rows=80)
+    for bucket in dirty:
+        bucket.buffer.fill_(0xAB)  # garbage in the padding of the buffers version 3 will reuse
+    del dirty, bucket
+    export(arena, 2)
+    reused = export(arena, 3, rows=64)  # smaller than version 1: a reused buffer is cut to size
+    fresh = export(None, 3, rows=64)
+    assert arena.stats()["reused_bytes"] > 0
+    assert [b.checksum for b in reused] == [b.checksum for b in fresh]
+    for r, f in zip(reused, fresh, strict=True):
+        assert torch.equal(r.buffer, f.buffer)
+    larger = export(arena, 4, rows=200)  # larger than the kept buffers: new ones, same bytes as fresh
+    assert [b.checksum for b in larger] == [b.checksum for b in export(None, 4, rows=200)]
+
+
+@pytest.mark.parametrize("held", ["bucket", "view", "numpy"])
+def test_a_version_held_in_any_form_is_never_rewritten(held: str) -> None:
+    arena = ExportArena(max_slots=2)
+    v1 = export(arena, 1)
+    saved = snapshot(v1)
+    keep = {"bucket": v1[0], "view": next(v1[0].tensors())[1], "numpy": v1[0].buffer.numpy()}[held]
+    buffer_ptr = v1[0].buffer.data_ptr()
+    del v1  # only ``keep`` holds anything of version 1
+    staged = export(arena, 2)
+    for v in (3, 4):  # each new version staged in turn, the one before dropped
+        newest = export(arena, v)
+        assert buffer_ptr not in pointers(newest)
+        staged = newest
+    assert arena.stats()["fresh_versions"] == 1  # version 3: v1's slot held by ``keep``, v2's staged
+    if held == "bucket":
+        held_bytes = keep.buffer
+    elif held == "view":
+        held_bytes = keep.reshape(-1).view(torch.uint8)
+    else:
+        held_bytes = torch.from_numpy(keep)
+    assert torch.equal(held_bytes, saved[0][: held_bytes.numel()])
+    del keep, held_bytes
+    assert buffer_ptr in pointers(export(arena, 5))  # released: reused again
+    del staged
+
+
+def test_max_slots_must_allow_double_buffering() -> None:
+    with pytest.raises(ValueError, match="max_slots >= 2"):
+        ExportArena(max_slots=1)
+
+
+def test_without_a_storage_use_count_every_version_gets_fresh_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    arena = ExportArena()
+    seen: set[int] = set()
+    live = []
+    for v in range(1, 5):
+        live.append(export(arena, v))
+        seen |= pointers(live[-1])
+    assert arena.stats()["fresh_versions"] == 4 and arena.stats()["slots"] == 0
+    assert len(seen) == sum(len(b) for b in live)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["export", "drop"]), st.integers(0, 7)), min_size=1, max_size=25),
+       st.integers(2, 4))
+def test_every_held_version_keeps_its_bytes_whatever_is_exported_or_dropped(ops, max_slots: int) -> None:
+    """A plain model: the versions still held and their snapshots; after each step all of them are intact."""
+    arena = ExportArena(max_slots=max_slots)
+    held: dict[int, tuple[list[WeightBucket], list[torch.Tensor]]] = {}
+    version = 0
+    for op, pick in ops:
+        if op == "export":
+            version += 1
+            got = export(arena, version, rows=32 + 16 * (pick % 3))
+            held[version] = (got, snapshot(got))
+        elif held:
+            del held[sorted(held)[pick % len(held)]]
+        for buckets, saved in held.values():
+            assert_intact(buckets, saved)
+    assert arena.stats()["slots"] <= max_slots
+
+
+# ---------------------------------------------------------------- through the transports
+
+
+def test_inprocess_a_receiver_mid_version_is_never_overwritten_by_two_more_exports() -> None:
+    """A receiver pauses after the first bucket of version 1; the trainer exports and sends 2 and 3 meanwhile."""
+
+    async def main() -> None:
+        arena = ExportArena()
+        transport = InProcessTransport()
+        try:
+            v1 = export(arena, 1)
+            assert len(v1) >= 3
+            saved = snapshot(v1)
+            await transport.send(aiter_of(v1), deadline_s=DEADLINE_S)
+            del v1
+            reading = transport.receive(min_version=1, deadline_s=DEADLINE_S)
+            got = [await anext(reading)]  # mid-version: one bucket in hand, the rest still to come
+            for v in (2, 3):
+                sent = export(arena, v)
+                await transport.send(aiter_of(sent), deadline_s=DEADLINE_S)
+                del sent
+            got += [b async for b in reading]
+            assert [b.version for b in got] == [1] * len(saved)
+            assert_intact(got, saved)
+            stats = arena.stats()
+            assert stats["slots"] == 3 and stats["fresh_versions"] == 0  # v3 could use neither v1's nor v2's slot
+            latest = [b async for b in transport.receive(min_version=3, deadline_s=DEADLINE_S)]
+            assert [b.checksum for b in latest] == [b.checksum for b in export(None, 3)]
+            del got, latest
+        finally:
+            await transport.close()
+
+    asyncio.run(main())
+
+
+def test_shm_receiver_reuses_its_copies_and_never_rewrites_a_version_still_held() -> None:
+    async def main() -> None:
+        sender = ShmWeightTransport(ShmTransportConfig())
+        try:
+            receive = []
+            for v in (1, 2, 3):
+                await sender.send(aiter_of(export(None, v)), deadline_s=DEADLINE_S)
+                receive.append([b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)])
+                if v == 1:
+                    saved = snapshot(receive[0])
+            assert_intact(receive[0], saved)  # version 1 still held while 2 and 3 were copied in
+            base = [b.buffer.untyped_storage().data_ptr() for b in (r[0] for r in receive)]
+            assert len(set(base)) == 3
+            del receive[0]
+            receive.pop(0)  # version 2 dropped too; 3 is held
+            await sender.send(aiter_of(export(None, 4)), deadline_s=DEADLINE_S)
+            v4 = [b async for b in sender.receive(min_version=4, deadline_s=DEADLINE_S)]
+            assert v4[0].buffer.untyped_storage().data_ptr() in base[:2]  # a released copy's pages, reused
+            assert [b.checksum for b in v4] == [b.checksum for b in export(None, 4)]
+        finally:
+            await sender.close()
+
+    asyncio.run(main())
+
+
+def test_shm_reuse_buffers_off_copies_into_fresh_memory() -> None:
+    async def main() -> None:
+        sender = ShmWeightTransport(ShmTransportConfig(reuse_buffers=False))
+        try:
+            assert sender._payloads is None
+            for v in (1, 2, 3):
+                await sender.send(aiter_of(export(None, v)), deadline_s=DEADLINE_S)
+                got = [b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)]
+                assert [b.checksum for b in got] == [b.checksum for b in export(None, v)]
+        finally:
+            await sender.close()
+
+    asyncio.run(main())
+
+
+async def aiter_of(items):
+    for item in items:
+        yield item
