@@ -226,10 +226,15 @@ class SimRolloutEngine(RolloutEngine):
     # -- generate -----------------------------------------------------------------
     async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
         self._check_started()
-        ids = [r.request_id for r in requests]
-        dupes = {i for i in ids if i in self._inflight}
-        if len(set(ids)) < len(ids):
-            dupes |= {i for i, n in collections.Counter(ids).items() if n > 1}
+        inflight = self._inflight
+        if len(requests) == 1:  # the runtime's usual call: one request, no set to build
+            ids = [requests[0].request_id]
+            dupes = set(ids) if ids[0] in inflight else set()
+        else:
+            ids = [r.request_id for r in requests]
+            dupes = {i for i in ids if i in inflight}
+            if len(set(ids)) < len(ids):
+                dupes |= {i for i, n in collections.Counter(ids).items() if n > 1}
         if dupes:
             raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
         if self._asleep:
@@ -284,7 +289,7 @@ class SimRolloutEngine(RolloutEngine):
         assert self._idle is not None
         self._idle.clear()
         prompt = request.prompt_token_ids
-        if prompt and (min(prompt) < 0 or max(prompt) >= c.vocab_size):
+        if prompt and not _in_vocab(prompt, c.vocab_size):
             bad = [t for t in prompt if not 0 <= t < c.vocab_size][:5]
             self._finish(seq, 0, error=f"prompt token ids {bad} are outside the vocabulary of {c.vocab_size} "
                                        "(vocab_size of the sim engine)")
@@ -668,6 +673,26 @@ _NO_VALUES: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _CACHE_MAX = 1 << 16  #: entries per view cache (lengths are capped by max_new_tokens: rarely reached)
 #: version -> a one-element int64 tensor, and (version, count) -> its stride-0 view of ``count`` elements
 _STAMPS: dict[int | tuple[int, int], torch.Tensor] = {}
+
+
+#: prompts (tuples, so immutable) known to lie inside a vocabulary -> its size: the n samples of a group and the
+#: retries of a row send one prompt many times, and a dict hit costs ~1/7 of scanning 512 ids for min and max
+_PROMPTS_IN_VOCAB: dict[tuple[int, ...], int] = {}
+_PROMPTS_MAX = 1024  #: entries kept (each holds a prompt alive; the cache is cleared when full)
+
+
+def _in_vocab(prompt: tuple[int, ...], vocab_size: int) -> bool:
+    """Whether every id of ``prompt`` is in ``[0, vocab_size)`` (remembered per prompt for tuples)."""
+    cacheable = type(prompt) is tuple
+    if cacheable and _PROMPTS_IN_VOCAB.get(prompt) == vocab_size:
+        return True
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        return False
+    if cacheable:
+        if len(_PROMPTS_IN_VOCAB) >= _PROMPTS_MAX:
+            _PROMPTS_IN_VOCAB.clear()
+        _PROMPTS_IN_VOCAB[prompt] = vocab_size
+    return True
 
 
 class _Inbox:
