@@ -9,7 +9,6 @@ finite, the gradient is not zero, and the run keeps the staleness bound.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -54,10 +53,7 @@ class RecordingTrainer(FSDPTrainEngine):
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_the_agent_example_trains_with_each_algorithm(name, tmp_path):
     resolved = resolve(load_config(EXAMPLE, [*PINNED, *ALGORITHMS[name]]))
-    comp = resolved.components["trainer"]
-    record = dataclasses.replace(comp.registered.record, factory=RecordingTrainer)
-    resolved.components["trainer"] = dataclasses.replace(comp, registered=dataclasses.replace(comp.registered,
-                                                                                              record=record))
+    resolved = resolved.with_factory("trainer", RecordingTrainer)
     RecordingTrainer.rows = []
     summary = run_flow(resolved, run_dir=tmp_path / "run", write_png=False)
     assert summary["steps"] == STEPS and summary["stop_reason"] == "done"

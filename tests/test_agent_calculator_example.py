@@ -11,7 +11,6 @@ violation. The single-turn baseline file is loaded and validated too.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -78,10 +77,7 @@ def test_calculator_example_trains_on_tool_episodes_with_the_tool_results_masked
     load_config(EXAMPLES / "agent_calculator_single.yaml")  # the baseline is a valid config too
     resolved = resolve(load_config(EXAMPLES / "agent_calculator.yaml", [
         f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=0", f"data.prompts_per_step={PROMPTS}", *PINNED]))
-    comp = resolved.components["trainer"]
-    record = dataclasses.replace(comp.registered.record, factory=RecordingTrainer)
-    resolved.components["trainer"] = dataclasses.replace(comp, registered=dataclasses.replace(comp.registered,
-                                                                                              record=record))
+    resolved = resolved.with_factory("trainer", RecordingTrainer)
     RecordingTrainer.rows = []
     summary = run_flow(resolved, run_dir=tmp_path / "run", write_png=False)
     assert summary["steps"] == STEPS

@@ -10,7 +10,6 @@ report is the one in the batches; no staleness violation.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -77,10 +76,7 @@ def _consistent(turns: list[str], marks: list[str]) -> bool:
 def test_agent_example_runs_multi_turn_episodes_with_masked_feedback(tmp_path):
     resolved = resolve(load_config(EXAMPLE, [f"trainer.total_steps={STEPS}", "trainer.checkpoint_every=0",
                                              "data.prompts_per_step=8", *PINNED]))
-    comp = resolved.components["trainer"]
-    record = dataclasses.replace(comp.registered.record, factory=RecordingTrainer)
-    resolved.components["trainer"] = dataclasses.replace(comp, registered=dataclasses.replace(comp.registered,
-                                                                                              record=record))
+    resolved = resolved.with_factory("trainer", RecordingTrainer)
     RecordingTrainer.rows = []
     summary = run_flow(resolved, run_dir=tmp_path / "run", write_png=False)
     assert summary["steps"] == STEPS

@@ -19,6 +19,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+from asyncflow_core.capture.testing import recording  # noqa: E402
 from asyncflow_core.config import load_config, resolve  # noqa: E402
 from asyncflow_core.config.models import ModelConfig  # noqa: E402
 from asyncflow_core.errors import ConfigError  # noqa: E402
@@ -181,22 +182,12 @@ def test_system_prompt_without_a_checkpoint_is_refused():
 # ------------------------------------------------------------------------------------------ end to end
 
 
-class Recording(TorchRolloutEngine):
-    """The torch engine, keeping every request's prompt ids and stop ids and every result."""
-
-    requests: list = []
-    results: list = []
-
-    async def generate(self, requests):
-        Recording.requests.extend(requests)
-        async for res in super().generate(requests):
-            Recording.results.append(res)
-            yield res
+#: the torch engine, keeping every request (its prompt ids and stop ids) and every result
+Recording = recording(TorchRolloutEngine)
 
 
 def _chat_run(checkpoint: Path, tmp_path: Path, *overrides: str):
     pytest.importorskip("asyncflow_fsdp", reason="the asyncflow-fsdp adapter is not installed (make installs it)")
-    import dataclasses
 
     config = {
         "name": "chat-smoke", "seed": 0,
@@ -211,10 +202,7 @@ def _chat_run(checkpoint: Path, tmp_path: Path, *overrides: str):
         "async": {"mode": "one_step"},
     }
     resolved = resolve(load_config(data=config, overrides=list(overrides)))
-    comp = resolved.components["rollout"]
-    record = dataclasses.replace(comp.registered.record, factory=Recording)
-    resolved.components["rollout"] = dataclasses.replace(
-        comp, registered=dataclasses.replace(comp.registered, record=record))
+    resolved = resolved.with_factory("rollout", Recording)
     return FlowRuntime(resolved, run_dir=tmp_path / "run", write_png=False)
 
 

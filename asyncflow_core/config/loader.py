@@ -171,6 +171,17 @@ class ResolvedConfig:
     components: dict[str, ResolvedComponent]
     unchecked: dict[str, str] = field(default_factory=dict)  #: section -> why it was not checked
 
+    def with_factory(self, section: str, factory: Any) -> ResolvedConfig:
+        """This config with ``section``'s backend built by ``factory`` (same options): a subclass that records
+        or instruments the plugin's class, in tests and benchmarks. ``KeyError`` for a section it does not have."""
+        import dataclasses
+
+        comp = self.components[section]
+        record = dataclasses.replace(comp.registered.record, factory=factory)
+        registered = dataclasses.replace(comp.registered, record=record)
+        return dataclasses.replace(self, components={**self.components,
+                                                     section: dataclasses.replace(comp, registered=registered)})
+
     def dump(self) -> dict[str, Any]:
         """The full config with defaults filled in, plugin options included (for ``config show``)."""
         out = self.config.model_dump(mode="json", by_alias=True)

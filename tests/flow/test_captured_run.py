@@ -13,7 +13,6 @@ agent fails ends, once the data runs out, with the reason instead of waiting.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -87,10 +86,7 @@ def _runtime(checkpoint: Path, tmp_path: Path, entry: str) -> FlowRuntime:
         "agent": {"entry": entry, "options": {"calls": 3}, "timeout_s": 60, "max_calls": 5},
     }
     resolved = resolve(load_config(data=config))
-    comp = resolved.components["rollout"]
-    record = dataclasses.replace(comp.registered.record, factory=Recording)
-    resolved.components["rollout"] = dataclasses.replace(
-        comp, registered=dataclasses.replace(comp.registered, record=record))
+    resolved = resolved.with_factory("rollout", Recording)
     return FlowRuntime(resolved, run_dir=tmp_path / "run", write_png=False)
 
 

@@ -18,7 +18,6 @@ run records is then checked against what the environment was told to do:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 from collections import Counter
@@ -74,10 +73,7 @@ def _config():
         "async": {"mode": "one_step"},
     }
     resolved = resolve(load_config(data=data))
-    comp = resolved.components["trainer"]
-    record = dataclasses.replace(comp.registered.record, factory=RecordingToyTrainer)
-    resolved.components["trainer"] = dataclasses.replace(
-        comp, registered=dataclasses.replace(comp.registered, record=record))
+    resolved = resolved.with_factory("trainer", RecordingToyTrainer)
     return resolved
 
 

@@ -15,7 +15,6 @@ One short run (vLLM starts in 20-60 s on two cores): one training step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -113,10 +112,7 @@ def _runtime(checkpoint: Path, tmp_path: Path, entry: str, log: Path) -> FlowRun
                   "timeout_s": 120, "max_calls": 4},
     }
     resolved = resolve(load_config(data=config))
-    comp = resolved.components["rollout"]
-    record = dataclasses.replace(comp.registered.record, factory=Recording)
-    resolved.components["rollout"] = dataclasses.replace(
-        comp, registered=dataclasses.replace(comp.registered, record=record))
+    resolved = resolved.with_factory("rollout", Recording)
     return FlowRuntime(resolved, run_dir=tmp_path / "run", write_png=False)
 
 

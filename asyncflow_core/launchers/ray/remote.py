@@ -84,24 +84,41 @@ class _Description:
 # ------------------------------------------------------------------------------------------ rollout
 
 
-class _RestartableProxy:
-    """What every proxy of a restartable actor shares: the actor, why it was lost, replacing it, ending it.
+class _ActorProxy:
+    """What every proxy shares: its actor, and ending it (the role shut down inside it first, once)."""
+
+    watched: WatchedActor
+    _shut: bool
+    #: how long the role's own shutdown may take inside the actor before the actor is ended anyway
+    shutdown_timeout_s: float = 30.0
+
+    @property
+    def actor(self) -> Any:
+        return self.watched.actor
+
+    async def shutdown(self) -> None:
+        """Shut the role down inside its actor, then end the actor. Safe to call twice."""
+        if self.watched.lost is None and not self._shut:
+            self._shut = True
+            try:
+                await self.watched.call("shutdown", timeout=self.shutdown_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
+                log.warning("%s: shutdown: %s", self.watched.role, exc)
+        self.watched.kill()
+
+
+class _RestartableProxy(_ActorProxy):
+    """A proxy whose actor may be replaced: why it was lost, replacing it within ``max_restarts``, its health.
 
     A subclass sets ``watched``, ``max_restarts``, ``restarts``, ``counters``,
     ``restart_counter`` and ``_shut``, and may refresh what it caches of the
     old actor in :meth:`_after_spawn`.
     """
 
-    watched: WatchedActor
     max_restarts: int
     restarts: int
     counters: Counter[str]
     restart_counter: str
-    _shut: bool
-
-    @property
-    def actor(self) -> Any:
-        return self.watched.actor
 
     @property
     def lost(self) -> RoleLost | None:
@@ -123,16 +140,6 @@ class _RestartableProxy:
 
     async def health(self) -> Any:
         return await self.watched.call("health", timeout=self.watched.heartbeat_timeout_s)
-
-    async def shutdown(self) -> None:
-        """Shut the role down inside its actor, then end the actor. Safe to call twice."""
-        if self.watched.lost is None and not self._shut:
-            self._shut = True
-            try:
-                await self.watched.call("shutdown", timeout=30)
-            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
-                log.warning("%s: shutdown: %s", self.watched.role, exc)
-        self.watched.kill()
 
 
 class RemoteRolloutEngine(_RestartableProxy, RolloutEngine):
@@ -293,8 +300,10 @@ class RemoteRolloutEngine(_RestartableProxy, RolloutEngine):
 # -------------------------------------------------------------------------------------------- train
 
 
-class RemoteTrainEngine(TrainEngine):
+class RemoteTrainEngine(_ActorProxy, TrainEngine):
     """A :class:`TrainEngine` in a Ray actor. Checkpoint paths must be readable by the actor (one host, or shared)."""
+
+    shutdown_timeout_s = 60.0  #: its ranks stop inside the actor first
 
     def __init__(self, watched: WatchedActor, *, deadline_s: float, step_timeout_s: float | None = None,
                  weights: RayWeights | None = None) -> None:
@@ -316,10 +325,6 @@ class RemoteTrainEngine(TrainEngine):
     @property
     def pid(self) -> int:
         return int(self._desc.get()["pid"])
-
-    @property
-    def actor(self) -> Any:
-        return self.watched.actor
 
     async def setup(self) -> None:
         await self._desc.fetch()
@@ -353,15 +358,6 @@ class RemoteTrainEngine(TrainEngine):
     async def export_pretrained(self, path: Path) -> None:
         await self.watched.call("export_pretrained", str(Path(path).resolve()))
 
-    async def shutdown(self) -> None:
-        """Shut the engine (and its ranks) down inside the actor, then end the actor. Safe to call twice."""
-        if self.watched.lost is None and not self._shut:
-            self._shut = True
-            try:
-                await self.watched.call("shutdown", timeout=60)
-            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
-                log.warning("%s: shutdown: %s", self.watched.role, exc)
-        self.watched.kill()
 
 
 # ------------------------------------------------------------------------------------------- reward
