@@ -132,7 +132,12 @@ class StreamStore(abc.ABC):
 
     @abc.abstractmethod
     async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
-        """Read ``columns`` (default: ``meta.columns``) of ``meta``'s rows, in ``meta`` order, with ``row_ids`` set."""
+        """Read ``columns`` (default: ``meta.columns``) of ``meta``'s rows, in ``meta`` order, with ``row_ids`` set.
+
+        The batch is read-only and may share memory with the store (clone a tensor before writing it in place);
+        it keeps the values it was read with for as long as it is referenced, whatever happens to its rows
+        afterwards (ack, collection, clear, overwrite): a store never writes memory a batch it handed out still
+        sees (docs/store.md, "What get returns")."""
 
     @abc.abstractmethod
     async def ack(self, meta: BatchMeta) -> None:

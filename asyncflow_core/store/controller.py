@@ -63,10 +63,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncflow_core.interfaces.sampler import Candidates, Sampler, SampleRequest
 from asyncflow_core.interfaces.store import BatchMeta
+from asyncflow_core.store.indexing import assign, take, where
 from asyncflow_core.store.errors import (
     InvalidRequestError,
     LeaseError,
@@ -453,12 +455,12 @@ class Controller:
         else:
             known = self._row_id[: self._n]
             pos = torch.searchsorted(known, ids).clamp_(max=self._n - 1)
-            ok = (known[pos] == ids) & self._alive[pos]
+            ok = (take(known, pos) == ids) & take(self._alive, pos)
         if bool(ok.all()):
             self._slots_memo = (self._slots_gen, ids.clone(), pos)
             return pos
         if missing == "drop":
-            return pos[ok]
+            return take(pos, where(ok))
         bad = ids[~ok][:8].tolist()
         raise UnknownRowError(
             f"unknown row ids {bad}{' ...' if int((~ok).sum()) > 8 else ''}: they were never put, or were already "
@@ -476,7 +478,7 @@ class Controller:
         """Bool per id of ``row_ids``: does it name a live row (put, not collected or cleared)?"""
         ids = _as_ids(row_ids)
         slots = self._slots(ids, missing="drop")
-        return torch.isin(ids, self._row_id[slots])
+        return torch.isin(ids, take(self._row_id, slots))
 
     def mark_ready(
         self,
@@ -498,15 +500,16 @@ class Controller:
                 raise InvalidRequestError(f"num_tokens has {tok.numel()} entries for {n} rows")
         written = self._need_masks(columns)
         for w, mask in written:
-            self._ready[slots, w] |= mask
+            col = self._ready[:, w]
+            assign(col, slots, take(col, slots) | mask)
         # readiness of other columns is unchanged, so a kept mask that needs none of these stays as it is
         self._refresh_eligible(slots, touching=dict(written))
         if v is not None:
-            cur_min, cur_max = self._minv[slots], self._maxv[slots]
-            self._minv[slots] = torch.where(cur_min < 0, v[:, 0], torch.minimum(cur_min, v[:, 0]))
-            self._maxv[slots] = torch.maximum(cur_max, v[:, 1])
+            cur_min, cur_max = take(self._minv, slots), take(self._maxv, slots)
+            assign(self._minv, slots, torch.where(cur_min < 0, v[:, 0], torch.minimum(cur_min, v[:, 0])))
+            assign(self._maxv, slots, torch.maximum(cur_max, v[:, 1]))
         if tok is not None:
-            self._tokens[slots] = tok
+            assign(self._tokens, slots, tok)
 
     def any_ready(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str]) -> bool:
         """Whether some live row of ``row_ids`` has every one of ``columns`` ready (cheap: the rows only).
@@ -519,7 +522,7 @@ class Controller:
             return False
         ok = torch.ones(slots.numel(), dtype=torch.bool)
         for w, need in self._need_masks(columns):
-            ok &= (self._ready[slots, w] & need) == need
+            ok &= (take(self._ready[:, w], slots) & need) == need
         return bool(ok.any())
 
     def whole_group_size(self, sampler: str | Sampler | None = None) -> int:
@@ -548,7 +551,7 @@ class Controller:
         if slots.numel() == 0:
             return False
         elig = self._eligible_mask(t.index, tuple(self._need_masks(columns)))
-        fresh = slots[elig.index_select(0, slots)]
+        fresh = take(slots, where(elig.index_select(0, slots)))
         if fresh.numel() == 0:
             return False
         groups = torch.unique(self._group.index_select(0, fresh))
@@ -629,35 +632,45 @@ class Controller:
             return empty, False
         needs = tuple(self._need_masks(columns))
         pid = self._partitions[partition] if partition is not None else None
-        elig = self._eligible_mask(t.index, needs)
+        # numpy, not torch: a torch op over more than 32,768 elements splits over the intra-op threads, and on a
+        # host whose cores are busy that split waits (17 ms for one 65,536-row nonzero against 0.04 ms; see
+        # store/indexing.py). numpy runs these scans on the calling thread.
+        elig = self._eligible_mask(t.index, needs).numpy()
+        minv, part = self._minv.numpy(), self._partition.numpy()
         chunk = n if limit <= 0 else max(_SCAN_CHUNK, limit)
-        found: list[torch.Tensor] = []
+        found: list[np.ndarray] = []
         total = 0
         for lo in range(0, n, max(chunk, 1)):
             hi = min(n, lo + chunk)
             mask = elig[lo:hi]  # the cache itself: the filters below must not write into it
             if min_version is not None:
-                mask = mask & (self._minv[lo:hi] >= min_version)
+                mask = mask & (minv[lo:hi] >= min_version)
             if pid is not None:
-                mask = mask & (self._partition[lo:hi] == pid)
-            idx = mask.nonzero().squeeze(1)
+                mask = mask & (part[lo:hi] == pid)
+            idx = np.flatnonzero(mask)
             if lo:
                 idx += lo
             found.append(idx)
-            total += idx.numel()
+            total += idx.size
             if limit > 0 and total >= limit:
-                slots = torch.cat(found) if len(found) > 1 else found[0]
-                return slots[:limit], total > limit or hi < n
+                slots = np.concatenate(found) if len(found) > 1 else found[0]
+                return torch.from_numpy(slots[:limit].astype(np.int64, copy=False)), total > limit or hi < n
         if not found:
             return empty, False
-        return (torch.cat(found) if len(found) > 1 else found[0]), False
+        slots = np.concatenate(found) if len(found) > 1 else found[0]
+        return torch.from_numpy(slots.astype(np.int64, copy=False)), False
 
     def _eligible_now(self, task_index: int, needs: Sequence[tuple[int, int]], slots: torch.Tensor | slice
                       ) -> torch.Tensor:
         """Bool per slot of ``slots``: free for the task, alive, and ready for every (word, mask) of ``needs``."""
-        ok = (self._state[task_index][slots] == FREE) & self._alive[slots]
+        if isinstance(slots, slice):
+            ok = (self._state[task_index][slots] == FREE) & self._alive[slots]
+            for w, need in needs:
+                ok &= (self._ready[slots, w] & need) == need
+            return ok
+        ok = (take(self._state[task_index], slots) == FREE) & take(self._alive, slots)
         for w, need in needs:
-            ok &= (self._ready[slots, w] & need) == need
+            ok &= (take(self._ready[:, w], slots) & need) == need
         return ok
 
     def _eligible_mask(self, task_index: int, needs: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -681,27 +694,29 @@ class Controller:
                 continue
             if touching is not None and not any(touching.get(w, 0) & need for w, need in needs):
                 continue
-            elig[slots] = self._eligible_now(ti, needs, slots)
+            assign(elig, slots, self._eligible_now(ti, needs, slots))
 
     def _candidates(self, slots: torch.Tensor) -> Candidates:
         if slots.numel() == 0:  # most attempts of a waiting stage: nothing to gather
             empty = torch.empty(0, dtype=torch.int64)
             return Candidates(row_ids=empty, group_ids=empty, num_tokens=empty, min_version=empty,
                               group_ready=empty, group_size=self._group_size)
-        # index_select, not advanced indexing: several times faster on 10^6-row gathers
+        # index_select, not advanced indexing: several times faster on 10^6-row gathers; the counting in numpy
+        # (single-threaded; see _eligible)
         groups = self._group.index_select(0, slots)
-        n = groups.numel()
-        gmax = int(groups.max()) if n else -1
+        g = groups.numpy()
+        n = g.size
+        gmax = int(g.max()) if n else -1
         if gmax < 0:
-            group_ready = torch.zeros(n, dtype=torch.int64)
+            group_ready = torch.from_numpy(np.zeros(n, dtype=np.int64))
         elif gmax < 4 * n + 4096:  # dense ids (prompt indices): a bincount is O(n); bin 0 collects ungrouped rows
-            shifted = groups + 1
-            counts = torch.bincount(shifted, minlength=gmax + 2)
+            shifted = g + 1
+            counts = np.bincount(shifted, minlength=gmax + 2)
             counts[0] = 0
-            group_ready = counts.index_select(0, shifted)
+            group_ready = torch.from_numpy(counts[shifted].astype(np.int64, copy=False))
         else:
-            _, inverse, counts = torch.unique(groups, return_inverse=True, return_counts=True)
-            group_ready = torch.where(groups >= 0, counts.index_select(0, inverse), 0)
+            _, inverse, counts = np.unique(g, return_inverse=True, return_counts=True)
+            group_ready = torch.from_numpy(np.where(g >= 0, counts[inverse.reshape(-1)], 0).astype(np.int64, copy=False))
         return Candidates(
             row_ids=self._row_id.index_select(0, slots),
             group_ids=groups,
@@ -800,7 +815,8 @@ class Controller:
         if not any(p.numel() for p in parts):
             return None
         if dp_size == 1:
-            return self._grant(task, columns, slots[parts[0]], consumer, lease_s, now, cands, parts[0], dp_rank=0)
+            return self._grant(task, columns, take(slots, parts[0]), consumer, lease_s, now, cands, parts[0],
+                               dp_rank=0)
         rnd = _DPRound()
         mine: BatchMeta | None = None
         for r, pos in enumerate(parts):
@@ -808,7 +824,7 @@ class Controller:
                 rnd.parts.append(None)
                 continue
             meta = self._grant(
-                task, columns, slots[pos], consumer if r == dp_rank else None, lease_s, now, cands, pos,
+                task, columns, take(slots, pos), consumer if r == dp_rank else None, lease_s, now, cands, pos,
                 dp_rank=r, reserved=r != dp_rank,
             )
             if r == dp_rank:
@@ -861,12 +877,12 @@ class Controller:
         t = self._tasks[task]
         lid = self._next_lease_id
         self._next_lease_id += 1
-        self._state[t.index][slots] = LEASED
-        self._lease_of[t.index][slots] = lid
+        assign(self._state[t.index], slots, LEASED)
+        assign(self._lease_of[t.index], slots, lid)
         for (ti, _), elig in self._eligible_cache.items():
             if ti == t.index:
-                elig[slots] = False
-        row_ids = cands.row_ids[pos]
+                assign(elig, slots, False)
+        row_ids = take(cands.row_ids, pos)
         deadline = now + lease_s
         self._leases[lid] = _Lease(task, row_ids, columns, deadline, consumer, lease_s, reserved)
         self._push_deadline(deadline, lid)
@@ -880,10 +896,10 @@ class Controller:
             task=lease.task,
             lease_id=lid,
             deadline=lease.deadline,
-            group_ids=self._group[slots].clone(),
-            min_version=self._minv[slots].clone(),
-            max_version=self._maxv[slots].clone(),
-            num_tokens=self._tokens[slots].clone(),
+            group_ids=take(self._group, slots),
+            min_version=take(self._minv, slots),
+            max_version=take(self._maxv, slots),
+            num_tokens=take(self._tokens, slots),
             extra={"consumer": lease.consumer, "dp_rank": dp_rank},
         )
 
@@ -913,7 +929,7 @@ class Controller:
         self._push_deadline(lease.deadline, found)
         slots = self._slots(lease.row_ids, missing="drop")
         if slots.numel() != lease.row_ids.numel():  # some rows were cleared meanwhile
-            lease.row_ids = self._row_id[slots]
+            lease.row_ids = take(self._row_id, slots)
         return self._meta(found, lease, slots, dp_rank)
 
     def _eos_meta(self, task: str, columns: tuple[str, ...]) -> BatchMeta:
@@ -948,9 +964,9 @@ class Controller:
         t = self._tasks[lease.task]
         slots = self._slots(lease.row_ids, missing="drop")
         # only rows still held by this lease (cleared rows are gone, nothing else can hold them)
-        slots = slots[self._lease_of[t.index][slots] == lease_id]
-        self._state[t.index][slots] = new_state
-        self._lease_of[t.index][slots] = 0
+        slots = take(slots, where(take(self._lease_of[t.index], slots) == lease_id))
+        assign(self._state[t.index], slots, new_state)
+        assign(self._lease_of[t.index], slots, 0)
         self._refresh_eligible(slots, t.index)
         return int(slots.numel())
 
@@ -1069,11 +1085,11 @@ class Controller:
             self._ended.add(partition)
 
     def _drop(self, slots: torch.Tensor) -> torch.Tensor:
-        ids = self._row_id[slots].clone()
-        self._alive[slots] = False
+        ids = take(self._row_id, slots)
+        assign(self._alive, slots, False)
         self._slots_gen += 1
         for elig in self._eligible_cache.values():
-            elig[slots] = False
+            assign(elig, slots, False)
         k = int(slots.numel())
         self._live -= k
         self._dead += k
@@ -1095,12 +1111,12 @@ class Controller:
         if not consumers:
             return torch.empty(0, dtype=torch.int64)
         if row_ids is None:
-            slots = self._alive[: self._n].nonzero().squeeze(1)
+            slots = torch.from_numpy(np.flatnonzero(self._alive[: self._n].numpy()))
         else:
             slots = self._slots(row_ids, missing="drop")
         done = torch.ones(slots.numel(), dtype=torch.bool)
         covered = torch.zeros(slots.numel(), dtype=torch.bool)
-        part = self._partition[slots] if any(t.partition is not None for t in consumers) else None
+        part = take(self._partition, slots) if any(t.partition is not None for t in consumers) else None
         for t in consumers:
             if t.partition is None:
                 applies = None  # every row
@@ -1108,14 +1124,14 @@ class Controller:
                 applies = part == self._partitions[t.partition]
             else:
                 continue
-            is_done = self._state[t.index][slots] == DONE
+            is_done = take(self._state[t.index], slots) == DONE
             if applies is None:
                 done &= is_done
                 covered[:] = True
             else:
                 done &= is_done | ~applies
                 covered |= applies
-        return self._drop(slots[done & covered])
+        return self._drop(take(slots, where(done & covered)))
 
     def drop_rows(self, row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Drop the live rows among ``row_ids`` now, whatever their task states (e.g. rows a failed put
@@ -1145,14 +1161,14 @@ class Controller:
 
     def _compact(self) -> None:
         n = self._n
-        keep = self._alive[:n].nonzero().squeeze(1)
+        keep = torch.from_numpy(np.flatnonzero(self._alive[:n].numpy()))
         k = keep.numel()
         for name in ("_row_id", "_alive", "_partition", "_group", "_tokens", "_minv", "_maxv", "_ready"):
             arr = getattr(self, name)
-            arr[:k] = arr[:n][keep]
+            arr[:k] = take(arr[:n], keep)
         for lst in (self._state, self._lease_of):
             for arr in lst:
-                arr[:k] = arr[:n][keep]
+                arr[:k] = take(arr[:n], keep)
         self._alive[k:n] = False
         self._n = k
         self._dead = 0

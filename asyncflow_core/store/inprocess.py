@@ -1,7 +1,8 @@
 """The in-process store: a controller and one storage unit in the caller's process (the embedded default).
 
-No server and no serialization: ``get`` gathers straight from the storage
-unit's buffers. Every public method is safe to call from any thread and any
+No server and no serialization: ``get`` reads straight from the storage
+unit's buffers, handing out read-only views of its ragged arena where the
+rows lie back to back (docs/store.md, "What get returns"). Every public method is safe to call from any thread and any
 event loop: state changes happen under one lock in short synchronous
 sections, and a blocked call waits on a future of its own loop that the
 changing call resolves thread-safely. There is no polling: a waiter sleeps
@@ -260,12 +261,19 @@ class InProcessStore(StreamStore):
                         self._waiters.discard(fut)
                     fut.cancel()
 
-    def _num_tokens(self, ids: torch.Tensor, columns: Mapping[str, Column]) -> torch.Tensor | None:
+    def _num_tokens(self, ids: torch.Tensor, columns: Mapping[str, Column], new: bool = False) -> torch.Tensor | None:
+        """Per-row token count after a write of ``columns``: the summed lengths of the stored token columns (of
+        new rows, which hold only what was just written, the written columns' own lengths)."""
         if not any(c in columns for c in self.config.token_columns):
             return None
         total = torch.zeros(ids.numel(), dtype=torch.int64)
         for c in self.config.token_columns:
-            total += self.storage.lengths(ids, c)
+            if new:
+                col = columns.get(c)
+                if isinstance(col, RaggedTensor):
+                    total += col.lengths
+            else:
+                total += self.storage.lengths(ids, c)
         return total
 
     # ------------------------------------------------------------------ the contract
@@ -296,7 +304,7 @@ class InProcessStore(StreamStore):
                 self.controller.check_rows(ids)
                 self.storage.validate(ids.numel(), cols)
                 v = normalize_versions(versions, ids.numel())
-                self.storage.write(ids, cols)
+                self.storage.write(ids, cols, validated=True)
                 self.controller.mark_ready(ids, names, v, self._num_tokens(ids, cols))
                 return BatchMeta(row_ids=ids.clone(), columns=names, extra={"partition": partition})
 
@@ -317,8 +325,8 @@ class InProcessStore(StreamStore):
                 if block:
                     return None
                 raise
-            self.storage.write(ids, cols)
-            self.controller.mark_ready(ids, names, v, self._num_tokens(ids, cols))
+            self.storage.write(ids, cols, validated=True)
+            self.controller.mark_ready(ids, names, v, self._num_tokens(ids, cols, new=True))
             gids = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.int64).reshape(-1)
             return BatchMeta(row_ids=ids, columns=names, group_ids=gids, extra={"partition": partition})
 
@@ -364,7 +372,7 @@ class InProcessStore(StreamStore):
         names = tuple(meta.columns if columns is None else columns)
         with self._lock:
             self._check_open()
-            return self.storage.read(meta.row_ids, names)
+            return self.storage.read(meta.row_ids, names, views=True)
 
     async def ack(self, meta: BatchMeta) -> None:
         if meta.lease_id is None:

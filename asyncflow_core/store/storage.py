@@ -29,6 +29,7 @@ import torch
 
 from asyncflow_core.store.controller import has_repeats
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, UnknownColumnError, UnknownRowError
+from asyncflow_core.store.indexing import assign, take, where
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 _MIN_TABLE = 1024
@@ -56,12 +57,31 @@ class _Dense:
 
 class _Ragged:
     def __init__(self, schema: ColumnSchema, alloc: int, device: torch.device) -> None:
-        self.values = torch.zeros((_MIN_ARENA, *schema.trailing), dtype=schema.dtype, device=device)
+        self.set_values(torch.zeros((_MIN_ARENA, *schema.trailing), dtype=schema.dtype, device=device))
         self.used = 0
         self.garbage = 0
         self.start = torch.zeros(alloc, dtype=torch.int64)
         self.length = torch.zeros(alloc, dtype=torch.int64)
         self.present = torch.zeros(alloc, dtype=torch.bool)
+
+    def set_values(self, values: torch.Tensor) -> None:
+        """Make ``values`` the arena; what uses its storage now is the arena's own share (see :meth:`in_use`)."""
+        self.values = values
+        self.viewed = False  #: a read handed out a view of this arena
+        self._own_users = _storage_users(values)
+
+    def in_use(self) -> bool:
+        """Whether a view a read handed out may still see this arena (so its memory must not be rewritten)."""
+        if not self.viewed:
+            return False
+        users = _storage_users(self.values)
+        return users is None or self._own_users is None or users > self._own_users
+
+
+def _storage_users(t: torch.Tensor) -> int | None:
+    """How many tensors (views included) and storage objects use ``t``'s storage; None when torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(t.untyped_storage()._cdata))
 
 
 def check_column_schema(name: str, want: ColumnSchema | None, got: ColumnSchema) -> None:
@@ -173,11 +193,12 @@ class StorageUnit:
         shift = self._base - new_base
         old = torch.arange(self._alloc, dtype=torch.int64)
         keep = (old + shift >= 0) & (old + shift < new_alloc)
-        src, dst = old[keep], old[keep] + shift
+        src = where(keep)
+        dst = src + shift
 
         def move(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
             out = torch.full((new_alloc, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-            out[dst.to(t.device)] = t[src.to(t.device)]
+            assign(out, dst.to(t.device), take(t, src.to(t.device)))
             return out
 
         self._known = move(self._known)
@@ -204,11 +225,23 @@ class StorageUnit:
             self._relayout(new_lo, max(2 * self._alloc, new_hi - new_lo))
         return ids - self._base
 
+    def _inside(self, pos: torch.Tensor) -> torch.Tensor | None:
+        """``pos`` limited to the table: the positions that fall inside it, or None when all of them do."""
+        if pos.numel() == 0:
+            return None
+        lo, hi = torch.aminmax(pos)
+        if int(lo) >= 0 and int(hi) < self._alloc:
+            return None
+        return where((pos >= 0) & (pos < self._alloc))
+
     def _positions(self, ids: torch.Tensor) -> torch.Tensor:
         pos = ids - self._base
-        inside = (pos >= 0) & (pos < self._alloc)
-        ok = inside.clone()
-        ok[inside] = self._known[pos[inside]]
+        inside = self._inside(pos)
+        if inside is None:
+            ok = take(self._known, pos)
+        else:
+            ok = torch.zeros(pos.numel(), dtype=torch.bool)
+            assign(ok, inside, take(self._known, take(pos, inside)))
         if not bool(ok.all()):
             bad = ids[~ok][:8].tolist()
             raise UnknownRowError(f"rows {bad} hold no data in this storage unit (never written, or freed); "
@@ -217,10 +250,15 @@ class StorageUnit:
 
     # ------------------------------------------------------------------ write, read
 
-    def write(self, row_ids: torch.Tensor | Sequence[int], columns: Mapping[str, Column]) -> None:
-        """Store ``columns`` for ``row_ids`` (row ``i`` of each column belongs to ``row_ids[i]``), replacing old values."""
+    def write(self, row_ids: torch.Tensor | Sequence[int], columns: Mapping[str, Column], *,
+              validated: bool = False) -> None:
+        """Store ``columns`` for ``row_ids`` (row ``i`` of each column belongs to ``row_ids[i]``), replacing old values.
+
+        ``validated=True``: the caller ran :meth:`validate` on these columns already (with nothing written
+        since), so it is not repeated."""
         ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
-        self.validate(ids.numel(), columns)
+        if not validated:
+            self.validate(ids.numel(), columns)
         if ids.numel() == 0:
             return
         if int(ids.min()) < 0:
@@ -235,31 +273,35 @@ class StorageUnit:
             elif isinstance(col, RaggedTensor) and col.numel_packed and self._schema[name] != _schema_of(col):
                 self._schema[name] = _schema_of(col)  # validated: the column held no values (see _reshapes)
                 store = self._cols[name]
-                store.values = store.values.new_zeros((store.values.shape[0], *col.values.shape[1:]))  # type: ignore[union-attr]
+                store.set_values(store.values.new_zeros((store.values.shape[0], *col.values.shape[1:])))  # type: ignore[union-attr]
         pos = self._ensure(ids)
-        newly = int((~self._known[pos]).sum())
-        self._known[pos] = True
+        newly = int((~take(self._known, pos)).sum())
+        assign(self._known, pos, True)
         self._num_known += newly
         for name, col in columns.items():
             store = self._cols[name]
             if isinstance(store, _Dense):
-                store.data[pos.to(self.device)] = col.to(self.device)  # type: ignore[union-attr]
+                assign(store.data, pos.to(self.device), col.to(self.device))  # type: ignore[union-attr]
             else:
                 self._append_ragged(store, pos, col)  # type: ignore[arg-type]
-            store.present[pos] = True
+            assign(store.present, pos, True)
 
     def _append_ragged(self, store: _Ragged, pos: torch.Tensor, col: RaggedTensor) -> None:
-        old = store.present[pos]
-        store.garbage += int(store.length[pos][old].sum())
-        store.present[pos] = False  # overwritten segments are garbage now, so compaction drops them
-        store.length[pos] = 0
+        old = take(store.present, pos)
+        store.garbage += int((take(store.length, pos) * old).sum())
+        assign(store.present, pos, False)  # overwritten segments are garbage now, so compaction drops them
+        assign(store.length, pos, 0)
         total = col.numel_packed
+        if store.used and store.used == store.garbage and not store.in_use():
+            # nothing live, and no reader sees the arena any more: start it over on its warm pages (a reader
+            # that still held a view when the last row was freed kept this from happening then)
+            store.used = store.garbage = 0
         if store.used + total > store.values.shape[0]:
             self._compact_arena(store, extra=total)
         if total and not _zero_width(store.values):  # lengths-only values: only the offsets are kept
             _copy_into(store.values[store.used : store.used + total], col.values.to(self.device))
-        store.start[pos] = store.used + col.offsets[:-1]
-        store.length[pos] = col.lengths
+        assign(store.start, pos, store.used + col.offsets[:-1])
+        assign(store.length, pos, col.lengths)
         store.used += total
 
     def _compact_arena(self, store: _Ragged, extra: int = 0) -> None:
@@ -269,28 +311,35 @@ class StorageUnit:
         new_cap = cap
         while new_cap < live + extra or (new_cap < 2 * (live + extra)):
             new_cap *= 2
-        pos = store.present.nonzero().squeeze(1)
+        pos = torch.from_numpy(np.flatnonzero(store.present.numpy()))
         # keep arena order (ordered by start), so contiguous writes stay contiguous
-        pos = pos[torch.argsort(store.start[pos])]
-        starts, lens = store.start[pos], store.length[pos]
+        pos = take(pos, torch.argsort(take(store.start, pos)))
+        starts, lens = take(store.start, pos), take(store.length, pos)
         new_starts = torch.cumsum(lens, 0) - lens
         old_values = store.values
-        if new_cap == cap and _numpy_viewable(old_values):
+        if new_cap == cap and _numpy_viewable(old_values) and not store.in_use():
             # the same size: pack in place, so the arena's pages (touched already) are reused; a fresh arena
             # would page-fault on every write after each compaction (a copy into fresh pages ran at a third of
-            # memcpy here)
+            # memcpy here). Not while a reader's view may still see the arena: it gets a fresh one instead
             _pack_in_place(old_values, starts, lens)
         else:
             # uninitialised: every slot below ``live`` is written next, and nothing reads past ``used``
             values = torch.empty((new_cap, *old_values.shape[1:]), dtype=old_values.dtype, device=self.device)
             if not _zero_width(values):  # zero-width values have nothing to move
                 _pack_segments(old_values, values, starts, lens)
-            store.values = values
-        store.start[pos] = new_starts
+            store.set_values(values)
+        assign(store.start, pos, new_starts)
         store.used, store.garbage = live, 0
 
-    def read(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str]) -> Batch:
-        """Columns of ``row_ids`` as a :class:`Batch` in the order given, ``row_ids`` set. Values are copies."""
+    def read(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str], *, views: bool = False) -> Batch:
+        """Columns of ``row_ids`` as a :class:`Batch` in the order given, ``row_ids`` set.
+
+        Values are copies, except with ``views=True``: a ragged column whose rows lie back to back in the arena
+        (rows read in the order one put wrote them, the common case) is then a view of it. The unit never
+        writes arena memory that a live view may see (a compaction or a restart of the arena while one is
+        referenced moves to a fresh arena), so such a view keeps its values as long as it is referenced;
+        it must be treated as read-only.
+        """
         ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
         out: dict[str, Column] = {}
         for name in columns:
@@ -301,7 +350,7 @@ class StorageUnit:
         pos = self._positions(ids) if ids.numel() else ids
         for name in columns:
             store = self._cols[name]
-            missing = ~store.present[pos]
+            missing = ~take(store.present, pos)
             if bool(missing.any()):
                 bad = ids[missing][:8].tolist()
                 raise UnknownColumnError(
@@ -309,32 +358,38 @@ class StorageUnit:
                     "so only rows whose columns are ready are read"
                 )
             if isinstance(store, _Dense):
-                out[name] = store.data[pos.to(self.device)]
+                out[name] = take(store.data, pos.to(self.device))
             else:
-                out[name] = _gather_ragged(store, pos, self.device)
+                out[name] = _gather_ragged(store, pos, self.device, views=views)
         return Batch(out, row_ids=ids, num_rows=ids.numel())
 
     def has(self, row_ids: torch.Tensor | Sequence[int], column: str) -> torch.Tensor:
         """Bool per row: does it hold a value for ``column``?"""
         ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
         store = self._cols.get(column)
+        if store is None:
+            return torch.zeros(ids.numel(), dtype=torch.bool)
         pos = ids - self._base
-        inside = (pos >= 0) & (pos < self._alloc)
+        inside = self._inside(pos)
+        if inside is None:
+            return take(store.present, pos)
         out = torch.zeros(ids.numel(), dtype=torch.bool)
-        if store is not None:
-            out[inside] = store.present[pos[inside]]
+        assign(out, inside, take(store.present, take(pos, inside)))
         return out
 
     def lengths(self, row_ids: torch.Tensor | Sequence[int], column: str) -> torch.Tensor:
         """Per-row sequence length of a ragged ``column`` (0 where absent, or for dense columns)."""
         ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
         store = self._cols.get(column)
+        if not isinstance(store, _Ragged):
+            return torch.zeros(ids.numel(), dtype=torch.int64)
+        pos = ids - self._base
+        inside = self._inside(pos)
+        if inside is None:
+            return take(store.length, pos) * take(store.present, pos)
         out = torch.zeros(ids.numel(), dtype=torch.int64)
-        if isinstance(store, _Ragged):
-            pos = ids - self._base
-            inside = (pos >= 0) & (pos < self._alloc)
-            p = pos[inside]
-            out[inside] = torch.where(store.present[p], store.length[p], 0)
+        p = take(pos, inside)
+        assign(out, inside, take(store.length, p) * take(store.present, p))
         return out
 
     # ------------------------------------------------------------------ freeing
@@ -345,27 +400,31 @@ class StorageUnit:
         if ids.numel() == 0:
             return
         pos = ids - self._base
-        pos = pos[(pos >= 0) & (pos < self._alloc)]
-        pos = pos[self._known[pos]]
+        inside = self._inside(pos)
+        if inside is not None:
+            pos = take(pos, inside)
+        pos = take(pos, where(take(self._known, pos)))
         if pos.numel() == 0:
             return
-        self._known[pos] = False
+        assign(self._known, pos, False)
         self._num_known -= int(pos.numel())
         for store in self._cols.values():
             if isinstance(store, _Ragged):
-                had = store.present[pos]
-                store.garbage += int(store.length[pos][had].sum())
-                store.length[pos] = 0
-                if store.garbage > _MIN_ARENA and 2 * store.garbage > store.used:
-                    store.present[pos] = False
+                had = take(store.present, pos)
+                store.garbage += int((take(store.length, pos) * had).sum())
+                assign(store.length, pos, 0)
+                # reclaim garbage now unless a reader may still see the arena (a write that needs the room
+                # compacts then, into a fresh arena if it is still seen)
+                if store.garbage > _MIN_ARENA and 2 * store.garbage > store.used and not store.in_use():
+                    assign(store.present, pos, False)
                     self._compact_arena(store)
-            store.present[pos] = False
+            assign(store.present, pos, False)
         if self._num_known == 0:
-            for store in self._cols.values():  # an empty unit starts its arenas over
-                if isinstance(store, _Ragged):
+            for store in self._cols.values():  # an empty unit starts its arenas over (see _append_ragged)
+                if isinstance(store, _Ragged) and not store.in_use():
                     store.used = store.garbage = 0
         else:
-            first = int(self._known.nonzero()[0])
+            first = int(np.argmax(self._known.numpy()))  # the first live slot (numpy: one thread, see indexing.py)
             if first > _MIN_TABLE and 2 * first > self._alloc:
                 self._relayout(self._base + first, self._alloc)
 
@@ -440,7 +499,7 @@ def _pack_segments(src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, l
     if total == 0:
         return
     if total < _SLICE_GATHER_MIN_MEAN * lengths.numel():
-        dst[:total] = src[_segment_index(starts, lengths).to(src.device)]
+        dst[:total] = take(src, _segment_index(starts, lengths).to(src.device))
         return
     ends = starts + lengths
     head = torch.ones(starts.numel(), dtype=torch.bool)
@@ -511,11 +570,11 @@ def _segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
     offsets = torch.cumsum(lengths, 0) - lengths
     seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
-    return starts[seg] + (torch.arange(total, dtype=torch.int64) - offsets[seg])
+    return take(starts, seg) + (torch.arange(total, dtype=torch.int64) - take(offsets, seg))
 
 
-def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device) -> RaggedTensor:
-    starts, lens = store.start[pos], store.length[pos]
+def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device, views: bool = False) -> RaggedTensor:
+    starts, lens = take(store.start, pos), take(store.length, pos)
     offsets = torch.zeros(pos.numel() + 1, dtype=torch.int64)
     torch.cumsum(lens, 0, out=offsets[1:])
     total = int(offsets[-1])
@@ -523,7 +582,11 @@ def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device) -> R
         values = store.values.new_empty((total, *store.values.shape[1:]))
     elif pos.numel() and bool((starts[1:] == starts[:-1] + lens[:-1]).all()):
         s0 = int(starts[0])  # rows written together: one slice instead of a gather
-        values = _clone(store.values[s0 : s0 + total])
+        if views:
+            values = store.values[s0 : s0 + total]
+            store.viewed = True
+        else:
+            values = _clone(store.values[s0 : s0 + total])
     elif pos.numel() and total >= _SLICE_GATHER_MIN_MEAN * pos.numel():
         # long sequences (the usual case for tokens): one slice per row and one copy beats a per-token index
         vals = store.values
@@ -533,5 +596,5 @@ def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device) -> R
             _copy_into(values[at : at + n], vals[a : a + n])
             at += n
     else:
-        values = store.values[_segment_index(starts, lens).to(device)]
+        values = take(store.values, _segment_index(starts, lens).to(device))
     return RaggedTensor(values, offsets.to(values.device))

@@ -137,6 +137,32 @@ class StoreSpec(BackendSpec):
 
         run(go())
 
+    def test_a_read_batch_keeps_its_values_while_referenced(self, make_store):
+        """A batch from ``get`` may share memory with the store, but it keeps the values it was read with after its
+        rows are acknowledged, collected and overwritten by later puts (the store never writes memory a batch still
+        sees). Fix the store's reuse of memory a handed-out batch views (copy on write, pins)."""
+
+        async def go():
+            store = make_store()
+            await _setup_tasks(store)
+            await store.register_task("reader", consumes=["response_ids"])
+            first = [[7] * 40, [8] * 40, [9] * 3]
+            put = await store.put({"response_ids": _ragged(first)})
+            meta = await store.get_meta("reader", ["response_ids"], 3, timeout=5)
+            held = (await store.get(meta))["response_ids"]
+            by_row = dict(zip(put.row_ids.tolist(), first, strict=True))
+            want = [by_row[r] for r in meta.row_ids.tolist()]
+            await store.clear()  # the rows are gone: their memory may be reused
+            for i in range(20):
+                put = await store.put({"response_ids": _ragged([[i] * 40, [i + 1] * 40, [i + 2] * 3])})
+                m = await store.get_meta("reader", ["response_ids"], 3, timeout=5)
+                await store.get(m)
+                await store.clear()
+            assert held.to_list() == want
+            await store.close()
+
+        run(go())
+
     def test_rows_are_leased_only_when_requested_columns_are_ready(self, make_store):
         """A row is handed out only once every requested column was written (the ready bits). Fix readiness tracking."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-import socket
 import stat
 
 import pytest

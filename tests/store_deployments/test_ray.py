@@ -172,7 +172,8 @@ def test_errors_arrive_typed_and_large_payloads_round_trip():
         batch = await store.get(meta)
         order = meta.row_ids  # rows were put as ids 0..39
         assert torch.equal(batch["x"], x[order]) and batch["h"].equal(h.select(order))
-        batch["x"].add_(1)  # a get returns the caller's own memory
+        again = await store.get(meta)  # read-only views of the object holding the rows: no copy
+        assert again["x"].data_ptr() == batch["x"].data_ptr()
         await store.ack(meta)
         with pytest.raises(LeaseError):
             await store.ack(meta)
@@ -196,6 +197,46 @@ def test_expired_lease_returns_on_the_actors_clock():
         with pytest.raises(LeaseError):
             await store.ack(first)
         await store.ack(again)
+        await store.close()
+
+    run(go())
+
+
+@ray.remote(num_cpus=0)
+class _Producer:
+    def put(self, store: RayStore, x: torch.Tensor) -> tuple[list[int], list]:
+        async def go():
+            return (await store.put({"x": x})).row_ids.tolist()
+
+        probe = ray.put(torch.zeros(1 << 16).numpy())  # an object of this process, to see when Ray drops them
+        return asyncio.run(go()), [probe]
+
+
+def test_rows_outlive_the_process_that_put_them():
+    """A put's object belongs to its producer, and Ray drops it when the producer exits: the storage unit that
+    pinned it at the put serves it to readers from then on."""
+
+    async def go():
+        store = RayStore(capacity=64)
+        await store.register_task("gen", produces=["x"])
+        await store.register_task("train", consumes=["x"])
+        x = torch.arange(40 * 8192, dtype=torch.float32).reshape(40, 8192)  # 1.3 MB: by reference, not inline
+        producer = _Producer.remote()
+        rows, (probe,) = await producer.put.remote(store, x)
+        ray.kill(producer, no_restart=True)
+        for _ in range(600):  # until Ray has dropped the producer's objects (it learns of the exit asynchronously)
+            try:
+                await probe
+            except ray.exceptions.ObjectLostError:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("Ray kept the objects of a killed producer for 30 s")
+        meta = await store.get_meta("train", ["x"], 40, timeout=10)
+        assert meta.row_ids.tolist() == rows
+        assert torch.equal((await store.get(meta))["x"], x)
+        await store.ack(meta)
+        assert (await store.stats())["bytes_stored"] == 0
         await store.close()
 
     run(go())

@@ -60,4 +60,5 @@ class RayStoreConfig(StoreOptions):
         None, description="Name of the controller actor: set it to share one store between drivers/actors."
     )
     namespace: str | None = Field(None, description="Ray namespace of the named actors.")
-    num_storage_units: int = Field(1, ge=1, description="Storage unit actors; rows are spread over them by row id.")
+    num_storage_units: int = Field(
+        1, ge=1, description="Storage unit actors; they take puts in turn and copy each into Ray's object store.")

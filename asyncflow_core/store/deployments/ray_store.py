@@ -1,4 +1,4 @@
-"""The ray deployment: the controller and the storage units are Ray actors; clients anywhere in the cluster.
+"""The ray deployment: a controller actor, storage-unit actors, and column data in Ray's object store.
 
 Actors:
 
@@ -6,30 +6,36 @@ Actors:
   control core the multiprocess server runs). A blocking ``get_meta`` or a
   ``put`` waiting for capacity awaits the core's asyncio notification inside
   the actor (``max_concurrency`` sized for many waiters); nothing polls. Lease
-  deadlines are on the controller actor's monotonic clock.
-- **storage units** (``num_storage_units``): plain (one call at a time) actors
-  each holding a :class:`~asyncflow_core.store.storage.StorageUnit`. Rows are
-  spread by row id in stripes of :data:`STRIPE_ROWS` (``unit = row_id //
-  STRIPE_ROWS % num_units``), so the rows of one put land in few pieces.
+  deadlines are on the controller actor's monotonic clock. It also keeps the
+  data index: for each (row, column), the object of Ray's object store holding
+  the value and the row's position in it. It holds references, never bytes.
+- **storage units** (``num_storage_units``, taking puts in turn): plain actors
+  that turn a producer's payload into an object the controller owns, so a row's
+  data outlives the process that put it.
 
 Data path. Column values travel as numpy arrays (torch tensors viewed, no
-copy), which Ray serialises out of band straight into its shared-memory object
-store, never through pickle:
+copy), which Ray serialises out of band into its shared-memory object store,
+never through pickle:
 
-- put: the client validates cheaply (types, row counts, versions), asks the
-  controller for row ids (``begin_put``: schema check, capacity wait), sends
-  each unit its rows (payloads above :data:`INLINE_BYTES` are ``ray.put`` once
-  and passed by reference; **one copy** into the object store), the unit reads
-  them zero-copy from the object store and writes them into its buffers
-  (**one copy**); only then does the controller set the ready bits
-  (``commit_put``). Data is always stored before a row can be leased.
-- get: the client asks each unit holding rows of the meta for them; a unit
-  gathers (**one copy**) and replies through the object store (**one copy**);
-  the client wraps the reply zero-copy and, with several units, reassembles
-  the rows in meta order (one more copy).
+- put is **one call** to the controller (it used to be three: begin, write,
+  commit). A payload above :data:`INLINE_BYTES` is ``ray.put`` by the producer
+  (**one copy**) and passed by reference; the controller waits for capacity,
+  a storage unit reads the payload zero-copy and returns it as its task result
+  (**one copy**, into an object the controller owns), and only then are the
+  ready bits set: data is always stored before a row can be leased. A small
+  payload travels inside the call and the controller puts it itself.
+- get is **one call** to the controller, which answers with each column's
+  objects and row positions; the client maps the objects zero-copy from the
+  object store (a reader on another node fetches them once) and returns
+  **views** when the rows are one run of one put (the common case), else one
+  gather copy. A batch is read-only memory shared with the store: it keeps its
+  values for as long as it is referenced (the object stays pinned), and must
+  not be written in place (clone first).
 
-The controller frees a row's data (fire-and-forget calls to the units) when
-the row is collected after its last ack, or cleared.
+A loop of put, get_meta, get and ack is four round trips to the controller
+plus one controller-to-unit call (it was six client round trips). The
+controller drops its references when a row is collected after its last ack, or
+cleared; Ray frees an object once no row and no reader uses it.
 
 Start Ray first: this store never starts a cluster on its own (a cluster is a
 process-wide choice of addresses, resources and namespace). For one host,
@@ -43,6 +49,8 @@ store and kills its actors; a joined handle only stops using it.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -62,7 +70,7 @@ from asyncflow_core.store.errors import (
     StoreClosedError,
     StoreError,
 )
-from asyncflow_core.store.storage import ColumnSchema, check_column_schema
+from asyncflow_core.store.storage import ColumnSchema, StorageUnit, check_column_schema
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 try:
@@ -70,9 +78,10 @@ try:
 except ImportError as _exc:  # pragma: no cover - exercised only without ray
     raise ImportError("the ray store deployment needs Ray: pip install 'asyncflow[ray]'") from _exc
 
-STRIPE_ROWS = 64  #: consecutive row ids kept in one storage unit
-INLINE_BYTES = 100 << 10  #: payloads above this are ray.put once and passed by reference
+INLINE_BYTES = 100 << 10  #: payloads above this are ray.put by the producer and copied by a storage unit
 MAX_CONCURRENCY = 10_000  #: concurrent calls (mostly blocked waiters) the controller actor serves
+_UNPINS_REMEMBERED = 65536  #: unpins a storage unit remembers, for pins that arrive after them
+_UNPIN_DELAY_S = 0.01  #: how long the controller gathers unpins before it sends them to the units
 _THREAD_PUT_BYTES = 8 << 20  #: larger ray.put copies run off the event loop thread
 
 # numpy has no bfloat16 / float8: such tensors travel as raw bytes with their torch dtype name
@@ -204,12 +213,11 @@ def _to_wire(t: torch.Tensor) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
 
 
 def _from_wire(w: tuple[np.ndarray, str | None, tuple[int, ...]]) -> torch.Tensor:
+    """A tensor over the array's memory (no copy; read from the object store, it is read-only by contract)."""
     arr, dtype, shape = w
-    with warnings.catch_warnings():  # a reply read from the object store is a read-only buffer of our own
+    with warnings.catch_warnings():  # a value read from the object store is a read-only buffer
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(arr) if arr.size else torch.from_numpy(np.array(arr))
-    if not arr.flags.writeable and arr.nbytes < INLINE_BYTES:
-        t = t.clone()  # small replies arrive inline (immutable bytes): own them
     if dtype is not None:
         t = t.view(getattr(torch, dtype)).reshape(shape)
     return t
@@ -230,52 +238,190 @@ def _wire_nbytes(w: dict[str, Any]) -> int:
     return sum(int(p[0].nbytes) for p in w.values())
 
 
-def unit_of(row_ids: torch.Tensor, num_units: int) -> torch.Tensor:
-    """Index of the storage unit holding each row."""
-    return torch.div(row_ids, STRIPE_ROWS, rounding_mode="floor") % num_units
+# Control values cross the actor boundary as numpy arrays: Ray pickles a torch tensor through torch.save
+# (about 0.2 ms each, 1.2 ms for a lease's BatchMeta here), a numpy array out of band (about 0.02 ms).
+_META_TENSORS = ("row_ids", "group_ids", "min_version", "max_version", "num_tokens")
 
 
-def _select(col: Column, idx: torch.Tensor) -> Column:
-    """Rows ``idx`` (increasing) of a column: a view when they are one contiguous run."""
-    if idx.numel() and int(idx[-1]) - int(idx[0]) + 1 == idx.numel():
-        lo, hi = int(idx[0]), int(idx[-1]) + 1
-        return col[lo:hi]
-    return col.select(idx) if isinstance(col, RaggedTensor) else col[idx]
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else torch.as_tensor(t).detach().cpu().contiguous().numpy()
+
+
+def _pt(a: np.ndarray | None) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(np.array(a))  # an own, writable copy (control data is small)
+
+
+def _meta_out(meta: Any) -> Any:
+    """A :class:`BatchMeta` as a dict of plain values and numpy arrays (anything else passes unchanged)."""
+    if not isinstance(meta, BatchMeta):
+        return meta
+    d = {f.name: getattr(meta, f.name) for f in dataclasses.fields(BatchMeta)}
+    for k in _META_TENSORS:
+        d[k] = _np(d[k])
+    return d
+
+
+def _meta_in(d: Any) -> Any:
+    """The inverse of :func:`_meta_out`."""
+    if not isinstance(d, dict):
+        return d
+    d = dict(d)
+    for k in _META_TENSORS:
+        d[k] = _pt(d[k])
+    return BatchMeta(**d)
+
+
+def _empty_column(schema: tuple[bool, str, tuple[int, ...]]) -> Column:
+    s = _schema(schema)
+    return RaggedTensor.empty(s.dtype, s.trailing) if s.ragged else torch.empty((0, *s.trailing), dtype=s.dtype)
+
+
+def _assemble(loc: torch.Tensor, columns: dict[int, Column]) -> Column:
+    """A column of rows at ``loc`` ([n, 2]: object id, row position in it) from the objects' columns, in order.
+
+    One run of one object (rows read as one put wrote them) is a view; anything else is one gather per object
+    and a reorder."""
+    obj, pos = loc[:, 0], loc[:, 1]
+    n = int(loc.shape[0])
+    first = int(obj[0])
+    p0 = int(pos[0])
+    if bool((obj == first).all()) and (n == 1 or bool((pos[1:] - pos[:-1] == 1).all())):
+        return columns[first][p0 : p0 + n]
+    picks, parts = [], []
+    for k in torch.unique(obj).tolist():
+        idx = (obj == k).nonzero().squeeze(1)
+        col = columns[k]
+        picks.append(idx)
+        parts.append(col.select(pos[idx]) if isinstance(col, RaggedTensor) else col[pos[idx]])
+    order = torch.argsort(torch.cat(picks))  # meta position -> position in the concatenated parts
+    if isinstance(parts[0], RaggedTensor):
+        return RaggedTensor.cat(parts).select(order)
+    return torch.cat(parts)[order]
+
+
+# ====================================================================== the data index
+
+
+class _ObjectIndex:
+    """Where each (row, column) value lies: an object of Ray's object store and the row's position in it.
+
+    The positions are a plain :class:`StorageUnit` of int64 ``[n, 2]`` dense columns (object id, position), so
+    row-table bookkeeping is reused. An object is dropped (its reference released) once no row uses it.
+    """
+
+    def __init__(self, on_drop: Any = None) -> None:
+        self.where = StorageUnit()
+        #: id -> [reference, (row, column) values in it, bytes, (unit, key) of the storage unit pinning it or None]
+        self.objects: dict[int, list[Any]] = {}
+        self.on_drop = on_drop or (lambda obj, unit: None)
+        self._next = 0
+
+    def new_id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def add(self, obj: int, ref: Any, nbytes: int, pin: tuple[int, str] | None = None) -> int:
+        self.objects[obj] = [ref, 0, int(nbytes), pin]
+        return obj
+
+    def write(self, row_ids: torch.Tensor, positions: torch.Tensor, columns: Sequence[str], obj: int) -> None:
+        """Point ``columns`` of ``row_ids`` at rows ``positions`` of object ``obj`` (replacing older values)."""
+        if row_ids.numel():
+            for name in columns:
+                self._unref(row_ids, name)
+            loc = torch.stack([torch.full_like(row_ids, obj), positions], dim=1)
+            self.where.write(row_ids, {name: loc for name in columns})
+            self.objects[obj][1] += int(row_ids.numel()) * len(columns)
+        self._maybe_drop(obj)
+
+    def locate(self, row_ids: torch.Tensor, columns: Sequence[str]) -> tuple[dict[str, torch.Tensor], dict[int, Any]]:
+        """Per column the ``[n, 2]`` locations, and per object they name its (reference, pinning unit).
+
+        ``UnknownColumnError`` / ``UnknownRowError`` (from the index) for a column never written or a row
+        without a value."""
+        located = self.where.read(row_ids, list(columns))
+        out = {name: located[name] for name in columns}
+        used = torch.unique(torch.cat([loc[:, 0] for loc in out.values()])) if out and row_ids.numel() else None
+        refs = {} if used is None else {k: (self.objects[k][0], self.objects[k][3]) for k in used.tolist()}
+        return out, refs
+
+    def free(self, row_ids: torch.Tensor) -> None:
+        for name in self.where.schema:
+            self._unref(row_ids, name)
+        self.where.free(row_ids)
+
+    def clear(self) -> None:
+        for obj, entry in self.objects.items():
+            self.on_drop(obj, entry[3])
+        self.where = StorageUnit()
+        self.objects.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o[2] for o in self.objects.values())
+
+    def _unref(self, row_ids: torch.Tensor, name: str) -> None:
+        if name not in self.where.schema or row_ids.numel() == 0:
+            return
+        has = self.where.has(row_ids, name)
+        if not bool(has.any()):
+            return
+        loc = self.where.read(row_ids[has], [name])[name]
+        objs, counts = torch.unique(loc[:, 0], return_counts=True)
+        for k, c in zip(objs.tolist(), counts.tolist(), strict=True):
+            self.objects[k][1] -= c
+            self._maybe_drop(k)
+
+    def _maybe_drop(self, obj: int) -> None:
+        entry = self.objects.get(obj)
+        if entry is not None and entry[1] <= 0:
+            del self.objects[obj]  # the last reference the store holds: Ray frees it once no reader pins it
+            self.on_drop(obj, entry[3])
 
 
 # ====================================================================== the actors
 
 
 class _StorageUnitActor:
-    """One storage unit: a :class:`StorageUnit` behind a one-call-at-a-time actor (calls run in order)."""
+    """Keeps the payloads of puts mapped (zero-copy, from the producers' objects) until the controller drops them.
+
+    Ray frees an object when its owner, the producer's process, exits; memory a process still maps stays
+    valid. So a unit holding each payload keeps the rows' data after the producer is gone, without a copy, and
+    serves it (:meth:`read`) to a reader that finds the producer's object lost.
+    """
 
     def __init__(self) -> None:
-        from asyncflow_core.store.storage import StorageUnit
+        self.pinned: dict[str, dict[str, Any]] = {}  #: object key (its reference's hex id) -> payload
+        #: keys unpinned before their pin arrived (the pin comes from the producer, the unpin from the
+        #: controller: no order between them), so a late pin is not kept
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
 
-        self.unit = StorageUnit("cpu")
+    def pin(self, key: str, payload: dict[str, Any]) -> bool:
+        if key in self._gone:
+            del self._gone[key]
+            return True
+        self.pinned[key] = payload  # arrays over the object store's memory: nothing is copied
+        return True
 
-    def write(self, row_ids: torch.Tensor, columns: dict[str, dict[str, Any]]) -> None:
-        self.unit.write(row_ids, {k: _column_from_wire(w) for k, w in columns.items()})
+    def read(self, key: str) -> dict[str, Any]:
+        payload = self.pinned.get(key)
+        if payload is None:
+            raise StoreClosedError("the rows' data is gone: its producer exited and no storage unit holds it")
+        return payload
 
-    def read(self, row_ids: torch.Tensor, names: list[str]) -> dict[str, dict[str, Any]]:
-        batch = self.unit.read(row_ids, names)
-        return {k: _column_to_wire(batch[k]) for k in names}
+    def unpin(self, keys: list[str]) -> None:
+        for key in keys:
+            if self.pinned.pop(key, None) is None:
+                self._gone[key] = None
+        while len(self._gone) > _UNPINS_REMEMBERED:
+            self._gone.popitem(last=False)
 
-    def free(self, row_ids: torch.Tensor) -> None:
-        self.unit.free(row_ids)
-
-    def nbytes(self) -> int:
-        return self.unit.nbytes
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.unit.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.unit.load_state_dict(state)
+    def ping(self) -> bool:
+        return True
 
 
 class _ControllerActor:
-    """An async actor serving a :class:`StoreCore`; also keeps column schemas and orchestrates the units."""
+    """An async actor serving a :class:`StoreCore`; also keeps column schemas and the data index."""
 
     def __init__(self, options: dict[str, Any], units: list[Any], token_columns: tuple[str, ...]) -> None:
         from asyncflow_core.store.options import StoreOptions
@@ -284,27 +430,28 @@ class _ControllerActor:
         self.units = units
         self.token_columns = tuple(token_columns)
         self.schema: dict[str, tuple[bool, str, tuple[int, ...]]] = {}  # name -> (ragged, dtype, trailing)
-        self._frozen = 0  # > 0 while a checkpoint reads the units: frees wait
-        self._queued_frees: list[torch.Tensor] = []
+        self.data = _ObjectIndex(on_drop=self._unpin)
+        self._unpins: dict[int, list[str]] = {}  # unit -> keys to unpin, sent after the call that freed them
+
+    def _unpin(self, obj: int, pin: tuple[int, str] | None) -> None:
+        if pin is None:
+            return
+        if not self._unpins:
+            # sent a moment after the call that collected the rows has answered (a task submission costs about a
+            # millisecond that an ack would otherwise wait for), batched with whatever else is freed meanwhile
+            asyncio.get_running_loop().call_later(_UNPIN_DELAY_S, self._send_unpins)
+        self._unpins.setdefault(pin[0], []).append(pin[1])
+
+    def _send_unpins(self) -> None:
+        batches, self._unpins = self._unpins, {}
+        for unit, keys in batches.items():
+            self.units[unit].unpin.remote(keys)  # fire and forget
 
     async def info(self) -> dict[str, Any]:
         return {"units": self.units, "token_columns": self.token_columns}
 
-    # -- data bookkeeping --------------------------------------------------------
-
     def _free_data(self, row_ids: torch.Tensor) -> None:
-        if self._frozen:
-            self._queued_frees.append(row_ids)
-            return
-        where = unit_of(row_ids, len(self.units))
-        for u, unit in enumerate(self.units):
-            ids = row_ids[where == u]
-            if ids.numel():
-                unit.free.remote(ids)
-
-    def _live(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """Bool per id: is it a live row? (the controller's own lookup)"""
-        return self.core.controller.live_mask(row_ids)
+        self.data.free(row_ids)
 
     def _drop_rows(self, row_ids: torch.Tensor) -> None:
         """Drop rows a put allocated but did not complete (they have no ready bit, so nobody leased them)."""
@@ -317,48 +464,59 @@ class _ControllerActor:
             if want is not None:
                 check_column_schema(name, _schema(want), _schema(got))
 
-    # -- put ---------------------------------------------------------------------
+    # -- put / get ---------------------------------------------------------------
 
-    async def begin_put(
+    async def put(
         self, schema: dict[str, Any], n: int, row_ids: torch.Tensor | None, partition: str, group_ids: Any,
-        block: bool, timeout: float | None,
-    ) -> torch.Tensor:
-        """Schema check, then new row ids (waiting for capacity) or a check that ``row_ids`` are live."""
+        block: bool, timeout: float | None, payload: tuple[Any, ...], nbytes: int, versions: Any,
+        num_tokens: Any,
+    ) -> np.ndarray:
+        """The whole put: schema check, new row ids (waiting for capacity) or a check that ``row_ids`` are live,
+        the data indexed (``payload``: ``("inline", wire)`` or ``("ref", [reference], unit)``), the ready bits.
+        Row ids, group ids, versions and token counts arrive and leave as numpy arrays."""
+        row_ids, group_ids, versions, num_tokens = _pt(row_ids), _pt(group_ids), _pt(versions), _pt(num_tokens)
         self.core.check_open()
         self._check_schema(schema)
-        if row_ids is None:
+        new = row_ids is None
+        if new:
             ids = await self.core.add_rows(n, partition, group_ids, block, timeout)
-            try:
-                self._check_schema(schema)  # another put may have fixed a schema while this one waited
-            except BaseException:
-                self._drop_rows(ids)
-                raise
         else:
             self.core.controller.check_rows(row_ids)
             ids = row_ids
-        for name, s in schema.items():
-            self.schema.setdefault(name, tuple(s))
-        return ids
+        try:
+            self._check_schema(schema)  # another put may have fixed a schema while this one waited
+            for name, s in schema.items():
+                self.schema.setdefault(name, tuple(s))
+            if payload[0] == "inline":
+                ref, pin = ray.put(payload[1]), None  # small: this actor's own copy
+            else:  # ("ref", [reference], unit): the producer has that unit pin it meanwhile
+                ref = payload[1][0]
+                pin = (int(payload[2]), ref.hex())
+        except BaseException:
+            if new:
+                self._drop_rows(ids)
+            raise
+        # no await since the rows were allocated or checked: they are all live, and indexed with their ready bits
+        # in one step (the data is in the object store already)
+        obj = self.data.add(self.data.new_id(), ref, nbytes, pin)
+        self.data.write(ids, torch.arange(n, dtype=torch.int64), list(schema), obj)
+        if ids.numel():
+            self.core.mark_ready(ids, list(schema), versions, num_tokens)
+        return _np(ids)
 
-    async def commit_put(self, row_ids: torch.Tensor, columns: list[str], versions: Any, num_tokens: Any) -> None:
-        """Set the ready bits once the units hold the data; rows cleared meanwhile only get their data freed."""
-        live = self._live(row_ids)
-        if not bool(live.all()):
-            self._free_data(row_ids[~live])
-            row_ids = row_ids[live]
-            versions = None if versions is None else versions[live]
-            num_tokens = None if num_tokens is None else num_tokens[live]
-        if row_ids.numel():
-            self.core.mark_ready(row_ids, columns, versions, num_tokens)
+    async def locate(self, row_ids: np.ndarray, columns: list[str]) -> dict[str, Any]:
+        """Where ``columns`` of ``row_ids`` lie: per column its schema and ``[n, 2]`` locations, and the objects."""
+        row_ids = _pt(row_ids)
+        self.core.check_open()
+        for name in columns:
+            if name not in self.schema:
+                from asyncflow_core.store.errors import UnknownColumnError
 
-    async def abort_put(self, row_ids: torch.Tensor, new: bool, writes: list[Any]) -> None:
-        """A put failed or was cancelled after ``begin_put``: drop its new rows, free whatever data landed."""
-        if new:
-            self._drop_rows(row_ids)
-        if writes:
-            await asyncio.gather(*writes, return_exceptions=True)  # frees must follow the writes
-        if new:
-            self._free_data(row_ids)
+                raise UnknownColumnError(f"column {name!r} was never written; written columns: {sorted(self.schema)}")
+        located, refs = self.data.locate(row_ids, columns)
+        # nested in lists: the references travel, not the values
+        return {"schema": {k: self.schema[k] for k in columns}, "loc": {k: _np(v) for k, v in located.items()},
+                "objects": {k: [ref] for k, (ref, _) in refs.items()}, "pins": {k: pin for k, (_, pin) in refs.items()}}
 
     # -- control calls (StoreCore) -----------------------------------------------
 
@@ -366,17 +524,17 @@ class _ControllerActor:
                             partition: str | None = None) -> None:
         self.core.register_task(task, consumes, produces, partition)
 
-    async def get_meta(self, task: str, columns: list[str], batch_size: int, kw: dict[str, Any]) -> BatchMeta:
-        return await self.core.get_meta(task, columns, batch_size, **kw)
+    async def get_meta(self, task: str, columns: list[str], batch_size: int, kw: dict[str, Any]) -> dict[str, Any]:
+        return _meta_out(await self.core.get_meta(task, columns, batch_size, **kw))
 
-    async def ack(self, meta: BatchMeta) -> None:
-        self.core.ack(meta)
+    async def ack(self, meta: dict[str, Any]) -> None:
+        self.core.ack(_meta_in(meta))
 
-    async def release(self, meta: BatchMeta) -> None:
-        self.core.release(meta)
+    async def release(self, meta: dict[str, Any]) -> None:
+        self.core.release(_meta_in(meta))
 
-    async def renew(self, meta: BatchMeta, lease_s: float | None) -> float | None:
-        return self.core.renew(meta, lease_s)
+    async def renew(self, meta: dict[str, Any], lease_s: float | None) -> float | None:
+        return self.core.renew(_meta_in(meta), lease_s)
 
     async def declare_dead(self, consumer: str) -> int:
         return self.core.declare_dead(consumer)
@@ -390,27 +548,36 @@ class _ControllerActor:
     async def stats(self) -> dict[str, int]:
         self.core.check_open()
         out = self.core.controller.stats()
-        sizes = await asyncio.gather(*(u.nbytes.remote() for u in self.units))  # after every free sent before
-        out["bytes_stored"] = int(sum(sizes))
+        out["bytes_stored"] = self.data.nbytes
         return out
 
     async def close(self) -> None:
         self.core.close()
+        self.data.clear()
 
     # -- checkpoint ----------------------------------------------------------------
 
     async def state_dict(self) -> dict[str, Any]:
         self.core.check_open()
         ctl = _without_unwritten_rows(self.core.controller.state_dict())
-        self._frozen += 1  # rows collected while the units are read keep their data until the read is done
-        try:
-            states = await asyncio.gather(*(u.state_dict.remote() for u in self.units))
-        finally:
-            self._frozen -= 1
-            if not self._frozen and self._queued_frees:
-                queued, self._queued_frees = self._queued_frees, []
-                self._free_data(torch.cat(queued))
-        return {"format": 1, "controller": ctl, "storage": _merge_units(states, ctl["row_ids"], self.schema)}
+        live = ctl["row_ids"]
+        located = {}
+        for name in self.schema:  # taken at once: rows collected while the objects are read keep them pinned
+            ids = live[self.data.where.has(live, name)]
+            located[name] = (ids, *self.data.locate(ids, [name])) if ids.numel() else (ids, {}, {})
+        cols: dict[str, Any] = {}
+        for name, (ids, loc, refs) in located.items():
+            ragged, dtype, trailing = self.schema[name]
+            if ids.numel():
+                values = {k: await _fetch(ref, pin, self.units) for k, (ref, pin) in refs.items()}
+                data = _assemble(loc[name], {k: _column_from_wire(v[name]) for k, v in values.items()})
+                # copies: a checkpoint must not pin the objects (nor share memory with the store)
+                data = RaggedTensor(data.values.clone(), data.offsets.clone()) if isinstance(data, RaggedTensor) \
+                    else data.clone()
+            else:
+                data = _empty_column(self.schema[name])
+            cols[name] = {"ragged": ragged, "dtype": dtype, "trailing": tuple(trailing), "row_ids": ids, "data": data}
+        return {"format": 1, "controller": ctl, "storage": {"format": 1, "columns": cols}}
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         self.core.check_open()
@@ -423,14 +590,34 @@ class _ControllerActor:
         backup = ctl.state_dict()
         try:
             ctl.load_state_dict(state["controller"])
-            parts = _split_units(storage, len(self.units))
+            schema = {name: (bool(c["ragged"]), str(c["dtype"]), tuple(c["trailing"]))
+                      for name, c in storage["columns"].items()}
+            for s in schema.values():
+                _schema(s)  # a malformed dtype is rejected before anything is stored
         except Exception:
             ctl.load_state_dict(backup)  # a rejected load leaves the store as it was
             raise
-        await asyncio.gather(*(u.load_state_dict.remote(p) for u, p in zip(self.units, parts, strict=True)))
-        self.schema = {name: (bool(c["ragged"]), str(c["dtype"]), tuple(c["trailing"]))
-                       for name, c in storage["columns"].items()}
+        self.data.clear()
+        self.schema = schema
+        for name, c in storage["columns"].items():
+            ids = torch.as_tensor(c["row_ids"], dtype=torch.int64).reshape(-1)
+            if ids.numel() == 0:
+                continue
+            wire = {name: _column_to_wire(c["data"])}
+            obj = self.data.add(self.data.new_id(), await asyncio.to_thread(ray.put, wire), _wire_nbytes(wire[name]))
+            self.data.write(ids, torch.arange(ids.numel(), dtype=torch.int64), [name], obj)
         self.core.notify()
+
+
+async def _fetch(ref: Any, pin: tuple[int, str] | None, units: list[Any]) -> dict[str, Any]:
+    """An object's payload: mapped zero-copy from the object store, or, when its producer exited and took the
+    object with it, from the storage unit that pins it (one copy)."""
+    try:
+        return await ref
+    except ray.exceptions.ObjectLostError:  # OwnerDiedError included
+        if pin is None:
+            raise
+        return await units[pin[0]].read.remote(pin[1])
 
 
 def _schema(s: tuple[bool, str, tuple[int, ...]]) -> ColumnSchema:
@@ -452,39 +639,6 @@ def _without_unwritten_rows(ctl: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _merge_units(states: list[dict[str, Any]], live: torch.Tensor, schema: dict[str, Any]) -> dict[str, Any]:
-    """One StorageUnit-format state of every unit's rows that the controller state keeps (the in-process format)."""
-    cols: dict[str, Any] = {}
-    for name, (ragged, dtype, trailing) in schema.items():
-        parts = [s["columns"][name] for s in states if name in s["columns"]]
-        ids = torch.cat([p["row_ids"] for p in parts]) if parts else torch.empty(0, dtype=torch.int64)
-        if ragged:
-            data: Column = RaggedTensor.cat([p["data"] for p in parts]) if parts else RaggedTensor.empty(
-                getattr(torch, dtype), tuple(trailing))
-        else:
-            data = torch.cat([p["data"] for p in parts]) if parts else torch.empty((0, *trailing),
-                                                                                  dtype=getattr(torch, dtype))
-        keep = torch.isin(ids, live)
-        order = torch.argsort(ids[keep])
-        idx = keep.nonzero().squeeze(1)[order]
-        data = data.select(idx) if isinstance(data, RaggedTensor) else data[idx]
-        cols[name] = {"ragged": ragged, "dtype": dtype, "trailing": tuple(trailing), "row_ids": ids[idx], "data": data}
-    return {"format": 1, "columns": cols}
-
-
-def _split_units(storage: dict[str, Any], num_units: int) -> list[dict[str, Any]]:
-    """Per-unit StorageUnit states of a merged one (every unit keeps every column's schema)."""
-    out = [{"format": 1, "columns": {}} for _ in range(num_units)]
-    for name, c in storage["columns"].items():
-        ids = torch.as_tensor(c["row_ids"], dtype=torch.int64).reshape(-1)
-        where = unit_of(ids, num_units)
-        for u in range(num_units):
-            idx = (where == u).nonzero().squeeze(1)
-            data = c["data"].select(idx) if isinstance(c["data"], RaggedTensor) else c["data"][idx]
-            out[u]["columns"][name] = {**c, "row_ids": ids[idx], "data": data}
-    return out
-
-
 _RemoteController = ray.remote(_ControllerActor)
 _RemoteUnit = ray.remote(_StorageUnitActor)
 
@@ -498,7 +652,7 @@ def _unwrap(exc: BaseException) -> BaseException:
         cause = exc.cause
         if isinstance(cause, BaseException):
             return _unwrap(cause)
-    if isinstance(exc, ray.exceptions.RayActorError):
+    if isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)):
         return StoreClosedError(f"the store's actors are gone (closed, or their process died): {exc}")
     return exc
 
@@ -583,6 +737,7 @@ class RayStore(StreamStore):
     def _attach(self, controller: Any, info: dict[str, Any]) -> None:
         self._controller = controller
         self._units: list[Any] = list(info["units"])
+        self._turn = 0  # the storage unit that pins this handle's next put
         self.token_columns: tuple[str, ...] = tuple(info["token_columns"])
 
     @property
@@ -664,60 +819,48 @@ class RayStore(StreamStore):
                 raise InvalidRequestError(f"group_ids has {gids.numel()} entries for {n} rows; give one per row")
         tokens = num_tokens_of(cols, self.token_columns)
 
-        ids = await self._ctl("begin_put", schema, n, ids_in, partition, gids, block, timeout)
-        writes: list[Any] = []
+        wire = {k: _column_to_wire(c) for k, c in cols.items()}
+        nbytes = sum(_wire_nbytes(w) for w in wire.values())
+        args = (schema, n, _np(ids_in), partition, _np(gids), block, timeout)
+        if nbytes <= INLINE_BYTES:
+            ids = await self._ctl("put", *args, ("inline", wire), nbytes, _np(v), _np(tokens))
+            return BatchMeta(row_ids=_pt(ids), columns=tuple(cols), group_ids=gids, extra={"partition": partition})
+        # one copy into the object store; then, at once, the controller call (rows, index, ready bits) and a storage
+        # unit's pin (it maps the object so the rows outlive this process); the put returns when both are done
+        ref = await asyncio.to_thread(ray.put, wire) if nbytes > _THREAD_PUT_BYTES else ray.put(wire)
+        unit = self._turn % len(self._units)
+        self._turn += 1
+        self._check_open()
+        pinned = self._units[unit].pin.remote(ref.hex(), ref)
+        put = self._controller.put.remote(*args, ("ref", [ref], unit), nbytes, _np(v), _np(tokens))
         try:
-            where = unit_of(ids, len(self._units))
-            for u, unit in enumerate(self._units):
-                idx = (where == u).nonzero().squeeze(1) if len(self._units) > 1 else None
-                if idx is not None and idx.numel() == 0:
-                    continue
-                part_ids = ids if idx is None else ids[idx]
-                wire = {k: _column_to_wire(c if idx is None else _select(c, idx)) for k, c in cols.items()}
-                size = sum(_wire_nbytes(w) for w in wire.values())
-                if size > _THREAD_PUT_BYTES:
-                    payload = await asyncio.to_thread(ray.put, wire)  # one copy into the object store
-                elif size > INLINE_BYTES:
-                    payload = ray.put(wire)
-                else:
-                    payload = wire
-                writes.append(unit.write.remote(part_ids, payload))
-            for ref in writes:
-                await self._await(ref)
-            await self._ctl("commit_put", ids, list(cols), v, tokens)
-        except BaseException:
-            if not self._closed:
-                try:  # the controller waits for the writes, then drops the rows and frees their data
-                    self._controller.abort_put.remote(ids, rows is None, writes)
-                except Exception:  # noqa: BLE001 - the store is gone; nothing to undo
-                    pass
+            ids = await self._await(put)
+        except Exception:  # (not a cancellation: the controller call may still complete then)
+            self._units[unit].unpin.remote([ref.hex()])  # the rows were not stored: nothing to keep
             raise
-        return BatchMeta(row_ids=ids, columns=tuple(cols), group_ids=gids, extra={"partition": partition})
+        await self._await(pinned)
+        return BatchMeta(row_ids=_pt(ids), columns=tuple(cols), group_ids=gids, extra={"partition": partition})
 
     async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
+        """The rows' columns as read-only views of the objects holding them (see the module docstring)."""
         self._check_open()
         names = list(meta.columns if columns is None else columns)
         ids = torch.as_tensor(meta.row_ids, dtype=torch.int64).reshape(-1)
-        if len(self._units) == 1 or ids.numel() == 0:
-            reply = await self._await(self._units[0].read.remote(ids, names))
-            cols = {k: _column_from_wire(reply[k]) for k in names}
-            return Batch(cols, row_ids=meta.row_ids, num_rows=len(meta))
-        where = unit_of(ids, len(self._units))
-        picks, refs = [], []
-        for u, unit in enumerate(self._units):
-            idx = (where == u).nonzero().squeeze(1)
-            if idx.numel():
-                picks.append(idx)
-                refs.append(unit.read.remote(ids[idx], names))
-        replies = [await self._await(r) for r in refs]
-        order = torch.argsort(torch.cat(picks))  # meta position -> position in the concatenated parts
-        cols = {}
+        reply = await self._ctl("locate", _np(ids), names)
+        keys = list(reply["objects"])
+        try:
+            values = await asyncio.gather(*(_fetch(reply["objects"][k][0], reply["pins"][k], self._units)
+                                            for k in keys))
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
+            raise _unwrap(exc) from None
+        objects = dict(zip(keys, values, strict=True))
+        cols: dict[str, Column] = {}
         for k in names:
-            parts = [_column_from_wire(r[k]) for r in replies]
-            if isinstance(parts[0], RaggedTensor):
-                cols[k] = RaggedTensor.cat(parts).select(order)
-            else:
-                cols[k] = torch.cat(parts)[order]
+            if ids.numel() == 0:
+                cols[k] = _empty_column(reply["schema"][k])
+                continue
+            loc = _pt(reply["loc"][k])
+            cols[k] = _assemble(loc, {o: _column_from_wire(objects[o][k]) for o in torch.unique(loc[:, 0]).tolist()})
         return Batch(cols, row_ids=meta.row_ids, num_rows=len(meta))
 
     # -- control calls -------------------------------------------------------------------
@@ -746,16 +889,16 @@ class RayStore(StreamStore):
             raise InvalidRequestError(f"columns must be a sequence of names, got the string {columns!r}")
         kw = dict(sampler=sampler, min_version=min_version, partition=partition, partial=partial, timeout=timeout,
                   lease_s=lease_s, consumer=consumer, dp_rank=dp_rank, dp_size=dp_size)
-        return await self._ctl("get_meta", task, list(columns), batch_size, kw)
+        return _meta_in(await self._ctl("get_meta", task, list(columns), batch_size, kw))
 
     async def ack(self, meta: BatchMeta) -> None:
-        await self._ctl("ack", meta)
+        await self._ctl("ack", _meta_out(meta))
 
     async def release(self, meta: BatchMeta) -> None:
-        await self._ctl("release", meta)
+        await self._ctl("release", _meta_out(meta))
 
     async def renew(self, meta: BatchMeta, *, lease_s: float | None = None) -> float | None:
-        return await self._ctl("renew", meta, lease_s)
+        return await self._ctl("renew", _meta_out(meta), lease_s)
 
     async def declare_dead(self, consumer: str) -> int:
         return await self._ctl("declare_dead", consumer)
@@ -790,4 +933,4 @@ class RayStore(StreamStore):
                 ray.kill(actor, no_restart=True)
 
 
-__all__ = ["RayStore", "init_local_ray", "ray_listening_addresses", "unit_of"]
+__all__ = ["RayStore", "init_local_ray", "ray_listening_addresses"]
