@@ -7,18 +7,27 @@ import asyncio
 import time
 from collections.abc import AsyncIterable, AsyncIterator
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.errors import WeightTransferError
 from asyncflow_core.interfaces import StagedVersion, TransferReport, TransportFeatures, WeightTransport
 from asyncflow_core.plugins import WeightTransportBackend, hookimpl
 from asyncflow_core.types import WeightBucket
+from asyncflow_core.types import weights
 
 
 class InProcessTransportConfig(BaseModel):
-    """The in-process transport takes no options."""
+    """Options of the in-process transport."""
 
     model_config = ConfigDict(extra="forbid")
+
+    recheck: bool = Field(
+        False,
+        description="Hash every bucket again on receive, even one whose checksum the sender (pack_buckets, in this "
+                    "process) took from that very buffer with no in-place write through torch since. On also "
+                    "catches writes that bypass torch's version counter (numpy views, raw pointers), at one more "
+                    "pass over the bytes per version.",
+    )
 
 
 class InProcessTransport(WeightTransport):
@@ -26,10 +35,16 @@ class InProcessTransport(WeightTransport):
 
     Sending checks that the buckets form one whole version (same version,
     indices 0..n-1, last flag only on the final one) before staging it, so a
-    receiver never sees half a version.
+    receiver never sees half a version. Receiving checks every bucket's
+    checksum before yielding any, except a bucket that already verified its
+    own buffer with no in-place write through torch since (as
+    ``pack_buckets`` leaves its buckets: the sender hashed that very memory);
+    ``recheck`` hashes those again too (docs/weight-transports.md,
+    "Verification").
     """
 
     def __init__(self, config: InProcessTransportConfig | None = None) -> None:
+        self.config = config or InProcessTransportConfig()
         self._stage: StagedVersion[WeightBucket] = StagedVersion()
 
     @property
@@ -51,8 +66,14 @@ class InProcessTransport(WeightTransport):
     async def receive(self, *, min_version: int = 0, deadline_s: float) -> AsyncIterator[WeightBucket]:
         self._check_open()
         _, buckets = await self._stage.wait(min_version, deadline_s=deadline_s)
+        buckets = list(buckets)
+        where = "staged in this process"
+        if self.config.recheck:
+            digests = await asyncio.to_thread(weights.weight_digests, [b.buffer for b in buckets])
+            weights.verify_buckets(buckets, where=where, digests=digests)
+        elif not all(b.verified for b in buckets):
+            await asyncio.to_thread(weights.verify_buckets, buckets, where=where)  # in parallel, off the event loop
         for bucket in buckets:
-            bucket.verify()
             yield bucket
 
     async def close(self) -> None:

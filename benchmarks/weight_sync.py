@@ -1,7 +1,7 @@
 """Weight sync benchmark: one model's weights from a trainer to a rollout engine, export -> transport -> load.
 
     PYTHONPATH=.:spec python benchmarks/weight_sync.py [--json] [--size 0.5b|100m|10m]
-        [--transports inprocess,shm,dist] [--export fresh,arena] [--repeats 2] [--warmup 2] [--bucket-mb 64]
+        [--transports inprocess,shm,dist] [--export fresh,arena,direct] [--repeats 2] [--warmup 2] [--bucket-mb 64]
 
 The model is a Hugging Face ``Qwen2ForCausalLM`` with random fp32 weights
 built on CPU (``--size 0.5b`` is the Qwen2.5-0.5B shape: 494M parameters,
@@ -10,15 +10,27 @@ sync is what a trainer at world 1 and the torch rollout engine do:
 
 - **export**: ``pack_buckets`` over the trainer model's ``state_dict`` (tied
   tensors once, as the fsdp worker exports them): the copy into bucket
-  buffers plus the sender's digests. ``--export arena`` (the default) packs
-  into an ``ExportArena`` kept across versions (and the ``shm`` receiver
-  copies into its own, ``reuse_buffers``); ``fresh`` allocates new buffers
-  every sync on both sides, as before the arena. ``--export fresh,arena``
-  measures both, one after the other, in one invocation;
+  buffers plus the sender's digests. ``--export direct`` (the default) is
+  the code as it is: ``pack_buckets`` fills and hashes each 8 MiB span in
+  one task on the digest threads (so the sender's digest time is inside
+  ``export``, not under ``digest``); ``shm`` packs straight into the
+  shared-memory slot its next send writes (``transport.allocator()``, the
+  first version into an ``ExportArena``), the others into an
+  ``ExportArena`` kept across versions; the ``inprocess`` receiver trusts
+  the digest the sender took of the same buffer; the engine loads in spans
+  on the digest threads (``copy_tensors``). ``arena`` is the code before
+  that: every transport packs into an ``ExportArena`` with ``copy_`` then
+  hashes (``shm`` copies it into the segment in ``send``), the
+  ``inprocess`` receiver hashes every bucket again (``recheck``) and the
+  engine loads with one ``copy_`` per tensor.
+  ``fresh`` allocates new buffers every sync on both sides, as before the
+  arena (and rechecks too). The ``shm`` receiver copies into its own arena
+  (``reuse_buffers``) except under ``fresh``. ``--export arena,direct``
+  measures several, one after the other, in one invocation;
 - **transfer**: ``transport.send`` until the engine side holds every bucket
   verified (``receive`` recomputes the digests);
 - **load**: ``collect_update`` (the contract's checks, digests included)
-  and ``copy_`` into the engine model's existing tensors, as the torch
+  and the copy into the engine model's existing tensors, as the torch
   rollout engine's ``update_weights`` does.
 
 ``digest`` is the part of those three spent computing digests (sender and
@@ -63,6 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transport_bench import _aiter, _free_port, _options  # noqa: E402  (reused: same transports, same options)
 
 ALL_TRANSPORTS = ("inprocess", "shm", "dist")
+LOAD_WITH_COPY_ = False  #: the engine loads with one copy_ per tensor (the code before "direct")
 DEADLINE_S = 900.0
 SIZES: dict[str, dict[str, int]] = {
     # Qwen2.5-0.5B: 494M parameters (tied embeddings), 1.98 GB in fp32
@@ -177,15 +190,34 @@ async def load_into(params: dict[str, torch.Tensor], version: int, buckets: list
     from asyncflow_core.types import ModelTensors, collect_update
 
     checked = await collect_update(version, _aiter(buckets), model=ModelTensors.of(params))
-    with torch.no_grad():
-        for bucket in checked:
-            for name, tensor in bucket.tensors():
-                params[name].copy_(tensor)
+    pairs = [(params[name], tensor) for bucket in checked for name, tensor in bucket.tensors()]
+    if LOAD_WITH_COPY_:  # the engine's load before it copied in spans (--load copy_)
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src)
+    else:
+        from asyncflow_core.types.weights import copy_tensors
+
+        await asyncio.to_thread(copy_tensors, pairs)  # as the torch engine's update_weights does
 
 
-def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], conn) -> None:
+def _before_direct(on: bool) -> None:
+    """The code before ``--export direct``: pack with ``copy_`` then hash, load with ``copy_`` (or as it is now)."""
+    global LOAD_WITH_COPY_
+    from asyncflow_core.types import weights
+
+    original = getattr(weights, "_pack_and_digest_direct", None) or getattr(weights, "_pack_and_digest", None)
+    if original is None:  # a tree from before the change: nothing to switch
+        return
+    weights._pack_and_digest_direct = original
+    weights._pack_and_digest = (lambda *args: None) if on else original
+    LOAD_WITH_COPY_ = on
+
+
+def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], conn, before: bool = False) -> None:
     """Spawned engine: receive each version (verified in ``receive``), load it, report times."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _before_direct(before)
     from asyncflow_core.plugins import get_plugin_manager
 
     clock = DigestClock()
@@ -223,7 +255,8 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
     from asyncflow_core.types import pack_buckets
     from asyncflow_core.types.weights import ExportArena
 
-    arena = ExportArena() if export == "arena" else None
+    arena = ExportArena() if export != "fresh" else None
+    _before_direct(export != "direct")
     versions = list(range(1, repeats + warmup + 1))  # the first ``warmup`` are not measured
     port = _free_port()
     name = f"wsync.{os.getpid()}"
@@ -237,10 +270,12 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
         options = _options(kind, rank=1, port=port, name=name, disk_dir="")
         if kind == "shm":
             options["reuse_buffers"] = arena is not None
-        proc = ctx.Process(target=_engine, args=(kind, options, size, versions, child))
+        proc = ctx.Process(target=_engine, args=(kind, options, size, versions, child, export != "direct"))
         proc.start()
-    sender = get_plugin_manager().create("weight_transport", kind,
-                                         _options(kind, rank=0, port=port, name=name, disk_dir=""))
+    sender_options = _options(kind, rank=0, port=port, name=name, disk_dir="")
+    if kind == "inprocess" and export != "direct":
+        sender_options["recheck"] = True  # the receiver hashed every bucket again before "direct"
+    sender = get_plugin_manager().create("weight_transport", kind, sender_options)
     tensors = export_tensors(trainer)
     rows = []
     try:
@@ -252,6 +287,8 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
             clock.take()
             start = time.monotonic()
             allocate = arena.allocator() if arena is not None else None
+            if kind == "shm" and export == "direct":
+                allocate = sender.allocator(fallback=allocate)  # straight into the slot the send publishes
             buckets = list(pack_buckets(tensors, version=version, bucket_bytes=bucket_mb << 20, allocate=allocate))
             exported = time.monotonic()
             digest = clock.take()
@@ -285,6 +322,8 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
         assert torch.equal(params[name0], check[name0]), "the engine's weights differ from the trainer's"
     if arena is not None and rows:
         rows[-1]["arena"] = arena.stats()
+    if rows and hasattr(sender, "stats"):
+        rows[-1]["sender"] = sender.stats()
     return rows[warmup:]
 
 
@@ -312,8 +351,9 @@ def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int, *,
             measured = asyncio.run(_measure(kind, size, repeats, bucket_mb, trainer, clock, export=export,
                                             warmup=warmup))
             row = _median_row(f"{kind}/{export}", measured, nbytes)
-            if "arena" in measured[-1]:
-                row["arena"] = measured[-1]["arena"]
+            for key in ("arena", "sender"):
+                if key in measured[-1]:
+                    row[key] = measured[-1][key]
             row["memcpy_ratio"] = row["total_s"] / memcpy
             rows.append(row)
     return {
@@ -425,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="Measured syncs per transport (median shown).")
     parser.add_argument("--transports", default=",".join(ALL_TRANSPORTS), help="Which transports to run.")
     parser.add_argument("--bucket-mb", type=int, default=64, help="Bucket size of the export.")
-    parser.add_argument("--export", default="arena",
-                        help="Export buffers: arena (kept across versions), fresh (new every sync), or both: fresh,arena.")
+    parser.add_argument("--export", default="direct",
+                        help="Export buffers: direct (as the code is), arena (before direct), fresh (before the "
+                             "arena), or several: arena,direct.")
     parser.add_argument("--warmup", type=int, default=2, help="Unmeasured syncs before the measured ones.")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK",
                         help="Measure an adapter-only sync of a LoRA adapter of this rank (inprocess, torch engine).")
@@ -439,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     exports = tuple(e for e in args.export.split(",") if e)
-    if not exports or set(exports) - {"fresh", "arena"}:
-        parser.error(f"--export takes fresh, arena or fresh,arena, got {args.export!r}")
+    if not exports or set(exports) - {"fresh", "arena", "direct"}:
+        parser.error(f"--export takes fresh, arena, direct or several of them (arena,direct), got {args.export!r}")
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
     if args.lora is not None:

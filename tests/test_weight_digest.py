@@ -71,7 +71,7 @@ def test_pack_buckets_packs_non_contiguous_tensors_and_zeroes_padding():
 
 def test_verified_memory_is_per_object_and_invalidated_by_in_place_writes():
     bucket = next(pack_buckets([("w", torch.arange(100, dtype=torch.float32))], version=1, bucket_bytes=1 << 20))
-    assert not bucket.verified
+    assert bucket.verified  # pack_buckets took the checksum from this very buffer
     bucket.verify()
     assert bucket.verified
     bucket.buffer[5] ^= 1  # an in-place write through torch: checked again, and caught
@@ -102,3 +102,104 @@ def test_collect_update_checks_every_bucket_in_parallel_and_names_the_bad_one():
     assert len(asyncio.run(collect_update(2, feed(buckets), model=model))) == len(buckets)
     with pytest.raises(WeightTransferError, match="bucket 1 of version 2 is corrupted .here."):
         verify_buckets(buckets, where="here", digests=[b.checksum if b.index != 1 else "0" * 32 for b in buckets])
+
+
+def _inprocess_roundtrip(buckets, *, recheck=False, between=None):
+    from asyncflow_plugins.transports import InProcessTransport, InProcessTransportConfig
+
+    async def feed(xs):
+        for x in xs:
+            yield x
+
+    async def main():
+        t = InProcessTransport(InProcessTransportConfig(recheck=recheck))
+        try:
+            await t.send(feed(buckets), deadline_s=30)
+            if between is not None:
+                between()
+            return [b async for b in t.receive(min_version=buckets[0].version, deadline_s=30)]
+        finally:
+            await t.close()
+
+    return asyncio.run(main())
+
+
+def test_inprocess_receiver_trusts_the_senders_digest_of_the_same_untouched_buffer(monkeypatch):
+    items = [(f"w{i}", torch.full((1 << 14,), float(i))) for i in range(4)]
+    buckets = list(pack_buckets(items, version=3, bucket_bytes=1 << 16))
+    hashed = []
+    real = W.weight_digests
+    monkeypatch.setattr(W, "weight_digests", lambda bufs: hashed.append(len(bufs)) or real(bufs))
+    assert [b.checksum for b in _inprocess_roundtrip(buckets)] == [b.checksum for b in buckets]
+    assert hashed == []  # the receiver did not hash what the sender hashed in this process
+    asyncio.run(collect_update(3, _aiter(buckets)))
+    assert hashed == []  # nor did the engine's checks
+    again = list(pack_buckets(items, version=3, bucket_bytes=1 << 16))
+    hashed.clear()
+    _inprocess_roundtrip(again, recheck=True)
+    assert sum(hashed) == len(buckets)  # recheck: every bucket hashed again
+
+
+def test_inprocess_catches_a_torch_write_between_export_and_load_and_recheck_catches_a_numpy_one():
+    items = [(f"w{i}", torch.full((1 << 14,), float(i))) for i in range(4)]
+
+    def through_torch():
+        buckets[1].buffer[7] ^= 0x40  # in place through torch: the version counter moves
+
+    buckets = list(pack_buckets(items, version=2, bucket_bytes=1 << 16))
+    with pytest.raises(WeightTransferError, match="weight bucket 1 of version 2 is corrupted"):
+        _inprocess_roundtrip(buckets, between=through_torch)
+    buckets = list(pack_buckets(items, version=2, bucket_bytes=1 << 16))
+    view = next(iter(dict(buckets[2].tensors()).values()))
+    with pytest.raises(WeightTransferError, match="bucket 2 of version 2 is corrupted"):
+        _inprocess_roundtrip(buckets, between=lambda: view.mul_(2))  # a write through a tensor view of it
+    # a write that bypasses torch (a numpy view of the memory) is what the trusted path does not see ...
+    fresh = list(pack_buckets(items, version=2, bucket_bytes=1 << 16))
+
+    def through_numpy():
+        fresh[3].buffer.numpy()[0] ^= 0x01
+
+    got = _inprocess_roundtrip(fresh, between=through_numpy)
+    assert got[3].verified and W.weight_digest(got[3].buffer) != got[3].checksum  # the documented hole
+    # ... and what recheck is for
+    fresh = list(pack_buckets(items, version=2, bucket_bytes=1 << 16))
+    with pytest.raises(WeightTransferError, match="bucket 3 of version 2 is corrupted"):
+        _inprocess_roundtrip(fresh, recheck=True, between=through_numpy)
+
+
+async def _aiter(xs):
+    for x in xs:
+        yield x
+
+
+def test_the_fused_pack_writes_and_digests_what_a_plain_copy_would_across_span_boundaries():
+    """pack_buckets fills and hashes each 8 MiB span in one task; the torch copy_ path is the oracle."""
+    gen = torch.Generator().manual_seed(5)
+    # odd sizes, so tensor ends and padding fall on both sides of the 8 MiB span boundaries
+    items = [("a", torch.randn(1_300_001, generator=gen)), ("b", torch.randn(7, generator=gen).to(torch.bfloat16)),
+             ("c", torch.randint(0, 9, (2_100_003,), generator=gen)), ("d", torch.rand(3) > 0.5),
+             ("e", torch.randn(999_999, generator=gen).to(torch.float16)), ("empty", torch.empty(0))]
+    dirty = torch.full((64 << 20,), 0xAB, dtype=torch.uint8)
+    fused = list(pack_buckets(items, version=1, bucket_bytes=40 << 20, allocate=lambda n: dirty[:n]))
+    assert len(fused) == 1 and fused[0].nbytes > 16 << 20
+    # a non-contiguous view of each tensor (same values, stride 2) takes the copy_ path
+    odd = [(n, torch.stack([t, t], 1)[:, 0]) for n, t in items]
+    assert all(not t.is_contiguous() for n, t in odd if t.numel() > 1)
+    plain = list(pack_buckets(odd, version=1, bucket_bytes=40 << 20))
+    assert torch.equal(fused[0].buffer, plain[0].buffer)
+    assert fused[0].checksum == plain[0].checksum == reference_digest(fused[0].buffer.numpy().tobytes())
+    assert fused[0].verified
+    got = dict(fused[0].tensors())
+    for name, t in items:
+        assert torch.equal(got[name], t)
+
+
+def test_copy_tensors_copies_host_pairs_in_spans_and_the_rest_with_copy_():
+    gen = torch.Generator().manual_seed(2)
+    src = [torch.randn(3_000_001, generator=gen), torch.randn(5, 7, generator=gen).to(torch.bfloat16),
+           torch.randn(4, 6, generator=gen)]
+    dst = [torch.zeros(3_000_001), torch.zeros(5, 7, dtype=torch.bfloat16), torch.zeros(6, 4).t()]  # last: strided
+    versions = [d._version for d in dst]
+    W.copy_tensors(list(zip(dst, src, strict=True)))
+    for d, s, v in zip(dst, src, versions, strict=True):
+        assert torch.equal(d, s) and d._version > v  # in-place writes are visible to torch's version counter

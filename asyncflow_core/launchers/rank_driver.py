@@ -7,8 +7,9 @@ metrics, and the rank protocol for weights and checkpoints that the engines'
 workers implement alike:
 
 - ``export_plan`` (how many groups of buckets), ``export_chunk`` (one group,
-  each bucket in a shared-memory segment the driver copies out and unlinks),
-  ``export_done``;
+  each bucket in a shared-memory segment the driver maps: one the rank keeps
+  across versions, under a shared lock while mapped, or a fresh one it
+  unlinks), ``export_done``;
 - ``save`` (every rank writes its part, then ``asyncflow_<name>.json`` with
   format ``asyncflow-<name>/1``), ``load``, ``export_hf``.
 
@@ -19,6 +20,8 @@ keeps ``config`` (with ``timeout_s``), ``_group``, ``_busy`` and ``_version``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import mmap
 import os
@@ -34,6 +37,7 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.errors import EngineError
 from asyncflow_core.interfaces import Algorithm, LossContext
+from asyncflow_core.launchers.rank_worker import FRESH_PREFIX, KEPT_PREFIX, SHM_DIR
 from asyncflow_core.launchers.ranks import RankHandle
 from asyncflow_core.types import Batch, RaggedTensor, WeightBucket
 
@@ -151,7 +155,7 @@ class RankEngineDriver:
                 described = (await asyncio.to_thread(group.call, "export_chunk", same=job, timeout_s=t,
                                                      what=f"export_weights (bucket group {i})"))[0]
                 # copy every segment of this group out at once: none is left behind if the consumer stops early
-                buffers = [from_shared_memory(d["shm"], d["nbytes"]) for d in described]
+                buffers = [from_shared_memory(d["shm"], d["nbytes"], kept=d.get("kept")) for d in described]
                 for j, (d, buffer) in enumerate(zip(described, buffers, strict=True)):
                     last = i == chunks - 1 and j == len(described) - 1
                     yield WeightBucket(self._version, index, tuple(d["metas"]), buffer, d["checksum"], last)
@@ -209,19 +213,45 @@ def reassemble(rank_rows: Sequence[torch.Tensor], pieces: Sequence[Sequence[torc
 
 
 #: Where POSIX shared-memory segments appear as files (Linux); elsewhere buckets are copied out instead
-_SHM_DIR = Path("/dev/shm")
+_SHM_DIR = SHM_DIR
 
 
-def from_shared_memory(name: str, nbytes: int) -> torch.Tensor:
-    """A rank's bucket as a tensor this process owns; the segment's name is unlinked.
+def from_shared_memory(name: str, nbytes: int, *, kept: bool | None = None) -> torch.Tensor:
+    """A rank's bucket as a tensor this process maps (or owns).
 
     On Linux the segment is mapped, not copied: the tensor holds the mapping
-    (``torch.frombuffer`` keeps the ``mmap`` alive), the name is unlinked at
-    once, and the memory is freed when the last tensor using it goes. The
-    bytes were written by the rank before it answered, so nothing else writes
-    them. Elsewhere they are copied out of the segment.
+    (``torch.frombuffer`` keeps the ``mmap`` alive) and the memory goes when
+    the last tensor using it goes. A segment the rank keeps across versions
+    (``kept``; by default told by its name, :data:`KEPT_PREFIX`) is mapped
+    under a shared ``flock`` that lasts as long as the mapping (``mmap``
+    holds a duplicate of the descriptor, and the lock belongs to the open
+    file): the rank does not rewrite it until then, and its name is left
+    for the rank to reuse. Any other segment's name is unlinked at once. The
+    bytes were written by the rank before it answered, so nothing else
+    writes them while they are mapped. Elsewhere they are copied out of the
+    segment.
     """
     path = _SHM_DIR / name.lstrip("/")
+    if kept is None:
+        kept = path.name.startswith(KEPT_PREFIX)
+    if kept:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            raise EngineError(f"the rank's shared-memory segment {name} is gone (was its rank closed or killed "
+                              "during the export?); export the weights again") from None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise EngineError(f"the rank is still writing shared-memory segment {name}; this is a bug in the "
+                                  "rank's export, please report it") from None
+            mapped = mmap.mmap(fd, nbytes)  # keeps a duplicate of fd, and with it the lock, until it unmaps
+        finally:
+            os.close(fd)
+        return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
     if nbytes > 0 and path.is_file():
         fd = os.open(path, os.O_RDWR)
         try:
@@ -230,6 +260,10 @@ def from_shared_memory(name: str, nbytes: int) -> torch.Tensor:
             os.close(fd)
             os.unlink(path)
         return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
+    if path.is_file() and path.name.startswith(FRESH_PREFIX):  # an empty bucket's placeholder
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return torch.empty(0, dtype=torch.uint8)
     shm = shared_memory.SharedMemory(name=name)
     try:
         out = torch.empty(nbytes, dtype=torch.uint8)

@@ -11,7 +11,8 @@ one process serving the driver's commands over a private
 loopback rendezvous (``bind``, then :meth:`RankWorkerBase.join_group` in the
 engine's ``setup``), ``ping``, the export protocol's plan grouping
 (:func:`plan_chunks`) and shared-memory hand-over
-(:meth:`RankWorkerBase.ship_buckets`), ``export_done``, and the checkpoint
+(:meth:`RankWorkerBase.ship_buckets`, into :class:`KeptSegments` reused
+across versions), ``export_done``, and the checkpoint
 frame (RNG per rank, the meta file ``asyncflow_<name>.json`` written last,
 the tokenizer copied next to exported weights). The engine's worker
 subclasses it, sets ``engine_name`` and implements ``setup``, ``logprobs``,
@@ -22,12 +23,18 @@ subclasses it, sets ``engine_name`` and implements ``setup``, ``logprobs``,
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import mmap
 import os
 import pickle
+import re
 import shutil
 import socket
 import traceback
+import uuid
+import weakref
 from collections.abc import Iterable
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
@@ -136,6 +143,191 @@ def plan_chunks(items: Iterable[tuple[T, int]], bucket_bytes: int) -> list[list[
     return chunks
 
 
+#: Where POSIX shared-memory segments appear as files (Linux); the driver (rank_driver) maps them from here
+SHM_DIR = Path("/dev/shm")
+#: Name prefix of the segments a rank keeps across exports (the driver maps them and never unlinks them)
+KEPT_PREFIX = "asyncflow-rank-"
+#: Name prefix of a fresh segment a rank hands over when all of a bucket's kept ones are mapped (the driver unlinks it)
+FRESH_PREFIX = "asyncflow-rankx-"
+_OURS = re.compile(r"^asyncflow-rankx?-(\d+)-[0-9a-f]{12}-\d+$")
+
+
+class _KeptSegment:
+    """One kept segment: its file, the rank's descriptor (for the lock) and a read-write mapping."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(self.fd, size)
+            self.map = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.path = path
+        self.size = size
+        self.inode = os.fstat(self.fd).st_ino
+        self.view: torch.Tensor | None = torch.frombuffer(self.map, dtype=torch.uint8)
+
+    def try_lock(self) -> bool:
+        """Take the segment for writing: no driver maps it (its shared lock) and its name still names this file."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            named = os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            named = False
+        if not named:  # someone unlinked it (an older driver unlinks what it maps): the driver could not open it
+            self.unlock()
+        return named
+
+    def unlock(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self.view = None  # the rank's bucket views are gone by now: nothing of this process uses the mapping
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _close_all(segments: list[_KeptSegment]) -> None:
+    for segment in segments:
+        segment.close()
+    segments.clear()
+
+
+class KeptSegments:
+    """Shared-memory segments a rank keeps across weight exports, reused once the driver no longer maps them.
+
+    A fresh segment per bucket per export means fresh tmpfs pages, and the
+    first write to each page faults. Instead each bucket position (chunk
+    ``i``, bucket ``j``) has up to ``max_per_bucket`` kept segments; an
+    export packs the bucket straight into one (``pack_buckets(...,
+    allocate=)``: one copy, no private buffer first) that no driver maps.
+
+    The protocol is a file lock, so neither side sends a message when it is
+    done: the driver maps a kept segment with a shared ``flock`` held for as
+    long as its mapping lives (the lock belongs to the open file, and
+    ``mmap`` keeps a duplicate of the descriptor until it unmaps), and the
+    rank rewrites a segment only after taking the exclusive lock without
+    waiting, which fails while any driver still maps it: a driver holding
+    the previous version (a transport has it staged) keeps its segments,
+    and the rank packs into another. The driver never unlinks a kept
+    segment; the rank unlinks them when it closes (or its process exits),
+    and segments of a rank that was killed are removed by the next rank
+    that starts on the host (their pid, in the name, is dead). The lock of
+    a driver that dies goes with its process. With every kept segment of a
+    position mapped, a bucket gets a fresh segment that the driver unlinks
+    (as before).
+    """
+
+    def __init__(self, *, directory: Path = SHM_DIR, max_per_bucket: int = 3) -> None:
+        self.dir = Path(directory)
+        self.max_per_bucket = max_per_bucket
+        self._token = uuid.uuid4().hex[:12]
+        self._count = 0
+        self._kept: dict[tuple[int, int], list[_KeptSegment]] = {}
+        self._all: list[_KeptSegment] = []
+        self._locked: list[_KeptSegment] = []
+        self._stats = {"reused_bytes": 0, "kept_new_bytes": 0, "fresh_bytes": 0}
+        self._finalizer = weakref.finalize(self, _close_all, self._all)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove kept segments of ranks that died without closing (their pid is in the name and not alive)."""
+        for path in self.dir.glob("asyncflow-rank*"):
+            match = _OURS.match(path.name)
+            if match and not _pid_alive(int(match.group(1))):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+    def allocator(self, chunk: int, named: dict[int, tuple[str, bool]]) -> Any:
+        """``allocate(nbytes)`` for one chunk's buckets; records each bucket's segment name and whether it is kept."""
+        j = 0
+
+        def allocate(nbytes: int) -> torch.Tensor:
+            nonlocal j
+            key, j = (chunk, j), j + 1
+            segment = self._take(key, nbytes)
+            if segment is None:  # every kept segment of this position is mapped: a fresh one, unlinked by the driver
+                self._stats["fresh_bytes"] += nbytes
+                self._count += 1
+                path = self.dir / f"{FRESH_PREFIX}{os.getpid()}-{self._token}-{self._count}"
+                named[key[1]] = (path.name, False)
+                return _fresh_segment(path, nbytes)
+            named[key[1]] = (segment.path.name, True)
+            assert segment.view is not None
+            return segment.view[:nbytes]
+
+        return allocate
+
+    def _take(self, key: tuple[int, int], nbytes: int) -> _KeptSegment | None:
+        kept = self._kept.setdefault(key, [])
+        for segment in list(kept):
+            if segment.try_lock():
+                if segment.size >= nbytes:
+                    self._locked.append(segment)
+                    self._stats["reused_bytes"] += nbytes
+                    return segment
+                segment.unlock()  # too small for this bucket now (the export grew): make room for a new one
+            elif segment.path.exists():
+                continue  # a driver maps it
+            kept.remove(segment)  # too small, or unlinked by someone else: of no further use
+            self._all.remove(segment)
+            segment.close()
+        if len(kept) >= self.max_per_bucket or nbytes == 0:
+            return None
+        self._count += 1
+        segment = _KeptSegment(self.dir / f"{KEPT_PREFIX}{os.getpid()}-{self._token}-{self._count}", nbytes)
+        fcntl.flock(segment.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can have it open yet
+        kept.append(segment)
+        self._all.append(segment)
+        self._locked.append(segment)
+        self._stats["kept_new_bytes"] += nbytes
+        return segment
+
+    def release(self) -> None:
+        """After packing: the segments may be mapped by the driver (which takes its shared lock)."""
+        for segment in self._locked:
+            segment.unlock()
+        self._locked = []
+
+    def stats(self) -> dict[str, int]:
+        """Bytes packed into reused kept segments, into new kept ones, and into fresh unkept ones; segments kept."""
+        return {**self._stats, "segments": len(self._all)}
+
+    def close(self) -> None:
+        self._locked = []
+        self._finalizer()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fresh_segment(path: Path, nbytes: int) -> torch.Tensor:
+    """A new segment file the driver owns (it maps and unlinks it): a writable view of it."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, max(nbytes, 1))
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)  # the tensor keeps the mapping alive
+    finally:
+        os.close(fd)
+
+
 def to_shared_memory(buffer: torch.Tensor) -> str:
     """Copy a bucket buffer into a new shared-memory segment; the driver copies it out and unlinks it."""
     n = buffer.numel()
@@ -162,6 +354,7 @@ class RankWorkerBase:
         self.device = torch.device("cpu")
         self._listen_fd: int | None = None
         self._export_chunks: list[Any] = []
+        self._segments: KeptSegments | None = None
 
     @property
     def meta_file(self) -> str:
@@ -214,13 +407,33 @@ class RankWorkerBase:
         name = c.export_dtype if c.export_dtype != "auto" else (c.model.dtype if c.model else "float32")
         return DTYPES[name]
 
-    @staticmethod
-    def ship_buckets(named: list[tuple[str, torch.Tensor]], payload: dict[str, Any]) -> list[dict[str, Any]]:
-        """Pack ``named`` tensors into buckets, each handed to the driver in a shared-memory segment."""
+    def ship_buckets(self, named: list[tuple[str, torch.Tensor]], payload: dict[str, Any]) -> list[dict[str, Any]]:
+        """Pack ``named`` tensors straight into shared-memory segments, one per bucket, handed to the driver.
+
+        On Linux the segments are :class:`KeptSegments`, reused across
+        versions once the driver no longer maps them (``"kept": True``: the
+        driver maps and never unlinks them); elsewhere each bucket is copied
+        into a fresh segment the driver copies out and unlinks.
+        """
+        version, bucket_bytes = payload["version"], payload["bucket_bytes"]
+        if not SHM_DIR.is_dir():
+            return [{"metas": b.metas, "checksum": b.checksum, "nbytes": b.nbytes, "shm": to_shared_memory(b.buffer),
+                     "kept": False} for b in pack_buckets(named, version=version, bucket_bytes=bucket_bytes)]
+        if getattr(self, "_segments", None) is None:
+            self._segments = KeptSegments()
+        segments = self._segments
+        assert segments is not None
+        names: dict[int, tuple[str, bool]] = {}
         out = []
-        for bucket in pack_buckets(named, version=payload["version"], bucket_bytes=payload["bucket_bytes"]):
-            out.append({"metas": bucket.metas, "checksum": bucket.checksum, "nbytes": bucket.nbytes,
-                        "shm": to_shared_memory(bucket.buffer)})
+        try:
+            allocate = segments.allocator(int(payload.get("index", 0)), names)
+            for j, bucket in enumerate(pack_buckets(named, version=version, bucket_bytes=bucket_bytes,
+                                                    allocate=allocate)):
+                name, kept = names[j]
+                out.append({"metas": bucket.metas, "checksum": bucket.checksum, "nbytes": bucket.nbytes,
+                            "shm": name, "kept": kept})
+        finally:
+            segments.release()  # packed: the driver may map them now
         return out
 
     def op_export_done(self, _payload: Any) -> None:
@@ -269,6 +482,9 @@ class RankWorkerBase:
         return os.getpid()
 
     def close(self) -> None:
+        if getattr(self, "_segments", None) is not None:
+            self._segments.close()  # unlinks the kept segments; a driver still mapping one keeps its pages
+            self._segments = None
         if dist.is_available() and dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -276,5 +492,6 @@ class RankWorkerBase:
                 pass
 
 
-__all__ = ["DTYPES", "EMPTY_PASS", "TOKENIZER_FILES", "RankWorkerBase", "aligned", "load_algorithm",
-           "loopback_interface", "plan_chunks", "rank_device", "serve", "to_shared_memory"]
+__all__ = ["DTYPES", "EMPTY_PASS", "FRESH_PREFIX", "KEPT_PREFIX", "SHM_DIR", "TOKENIZER_FILES", "KeptSegments",
+           "RankWorkerBase", "aligned", "load_algorithm", "loopback_interface", "plan_chunks", "rank_device", "serve",
+           "to_shared_memory"]

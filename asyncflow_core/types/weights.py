@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import os
 import threading
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterable, Callable, Collection, Iterable, Itera
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import xxhash
 
@@ -75,11 +77,15 @@ class WeightBucket:
 
     ``checksum`` is the :func:`weight_digest` of ``buffer`` computed by the
     sender; receivers call :meth:`verify` (or :func:`verify_buckets`) before
-    using the tensors. A bucket remembers that it was verified together with
-    its buffer's version counter, so checking it again (the transport, then
-    ``collect_update``) costs nothing until the buffer is written in place
-    through torch. The memory is per object: a copy or pickle of the bucket
-    is verified afresh.
+    using the tensors. A bucket remembers that its buffer matched its
+    checksum together with the buffer's torch version counter, so checking
+    it again (the transport, then ``collect_update``) costs nothing until the
+    buffer is written in place through torch. :func:`pack_buckets` gives its
+    buckets that memory at birth (it computed the checksum from that very
+    buffer), so a receiver in the sender's process does not hash them again;
+    a write that bypasses torch's version counter (a numpy view, a raw
+    pointer, another process) is not seen by that memory. The memory is per
+    object: a copy or pickle of the bucket is verified afresh.
     """
 
     version: int
@@ -210,6 +216,87 @@ def weight_digests(buffers: Sequence[torch.Tensor]) -> list[str]:
     return [digest_root(len(v), parts) for v, parts in zip(views, out, strict=True)]
 
 
+def _host_view(t: torch.Tensor):
+    """A contiguous CPU tensor's bytes as a flat writable numpy uint8 array (no copy); None for any other tensor."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_quantized or t.is_sparse or t.is_complex():
+        return None
+    flat = t.detach().reshape(-1)
+    return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy()
+
+
+def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each ``(dst, src)`` pair; host pairs in 8 MiB spans on the digest threads.
+
+    A pair of contiguous CPU tensors of one dtype and shape is copied as
+    ``numpy.copyto`` of byte spans of :data:`DIGEST_SPAN_BYTES` on
+    :func:`digest_pool` (the GIL is released; ``dst``'s version counter is
+    bumped, as ``copy_`` would); any other pair with ``copy_``. Why: torch
+    splits one large copy over its intra-op threads and waits for all of
+    them, so on a busy host one descheduled thread stalls the whole copy,
+    while spans on a pool are taken by whichever thread runs
+    (docs/performance.md, "Copies on a busy host" and "Weight sync").
+    """
+    jobs = []
+    with torch.no_grad():
+        for dst, src in pairs:
+            d = _host_view(dst) if dst.dtype == src.dtype and dst.shape == src.shape else None
+            s = _host_view(src) if d is not None else None
+            if d is None or s is None:
+                dst.copy_(src)
+                continue
+            jobs += [(d[a:b], s[a:b]) for a, b in digest_spans(d.size) if b > a]
+            torch.autograd.graph.increment_version(dst)
+    if len(jobs) <= 1:
+        for d, s in jobs:
+            np.copyto(d, s)
+        return
+    list(digest_pool().map(lambda job: np.copyto(*job), jobs))
+
+
+def _pack_and_digest(buffer: torch.Tensor, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> str | None:
+    """Copy ``tensors`` into a CPU ``buffer`` at their offsets, zero the padding, and digest it, span by span.
+
+    Each digest span is filled and hashed by one task on :func:`digest_pool`
+    while its bytes are still in cache: one pass over memory instead of a
+    copy pass and a hash pass, and no torch intra-op split to stall. None
+    (nothing written) when a tensor or the buffer is not a contiguous CPU
+    tensor: the caller packs with ``copy_`` then.
+    """
+    dst = _host_view(buffer)
+    if dst is None:
+        return None
+    pieces = []
+    for meta, t in zip(metas, tensors, strict=True):
+        if meta.nbytes:
+            src = _host_view(t)
+            if src is None:
+                return None
+            pieces.append((meta.offset, meta.offset + meta.nbytes, src))
+    starts = [a for a, _, _ in pieces]
+
+    def fill_and_hash(span: tuple[int, int]) -> bytes:
+        a, b = span
+        pos = a
+        for start, end, src in pieces[max(bisect.bisect_right(starts, a) - 1, 0):]:
+            if start >= b:
+                break
+            lo, hi = max(a, start), min(b, end)
+            if hi <= lo:
+                continue
+            if lo > pos:
+                dst[pos:lo] = 0
+            np.copyto(dst[lo:hi], src[lo - start : hi - start])
+            pos = hi
+        if b > pos:
+            dst[pos:b] = 0
+        return digest_leaf(dst[a:b])
+
+    spans = digest_spans(dst.size)
+    leaves = [fill_and_hash(spans[0])] if len(spans) == 1 else list(digest_pool().map(fill_and_hash, spans))
+    torch.autograd.graph.increment_version(buffer)  # written through numpy: tell torch, as copy_ would
+    return digest_root(dst.size, leaves)
+
+
 def weight_digest(buffer: torch.Tensor) -> str:
     """The digest of a weight buffer (CPU or device; device buffers are copied to the host first): 32 hex chars."""
     return weight_digests([buffer])[0]
@@ -259,11 +346,16 @@ def pack_buckets(
     A tensor larger than ``bucket_bytes`` gets a bucket of its own. Tensors
     are copied once, straight into the bucket buffer (a non-contiguous one
     too, without a contiguous copy first), in the order given; only the
-    alignment padding between them is zeroed. ``allocate(nbytes)``, when
+    alignment padding between them is zeroed. On the host each digest span
+    of the buffer is filled and hashed by one task on the digest threads
+    (one pass over the bytes); device or non-contiguous tensors are copied
+    with ``copy_`` and then hashed. ``allocate(nbytes)``, when
     given, returns the 1-D uint8 buffer of a bucket (e.g. a view of a
     shared-memory segment, so the export needs no further copy to cross a
     process boundary); by default a fresh tensor on the first tensor's
-    device. The bucket's digest is taken when it is full.
+    device. The bucket's digest is taken when it is full, and the bucket
+    counts as verified (:attr:`WeightBucket.verified`) until its buffer is
+    written in place through torch.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -286,18 +378,24 @@ def pack_buckets(
             if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != offset:
                 raise ValueError(f"allocate({offset}) must return a 1-D uint8 tensor of {offset} bytes, got "
                                  f"{buffer.dtype} of shape {tuple(buffer.shape)}")
-        end = 0
-        with torch.no_grad():
-            for meta, (_, t) in zip(metas, pending, strict=True):
-                if meta.offset > end:
-                    buffer[end : meta.offset].zero_()
-                dst = buffer[meta.offset : meta.offset + meta.nbytes]
-                if meta.nbytes:
-                    dst.view(t.dtype).view(t.shape).copy_(t.detach())
-                end = meta.offset + meta.nbytes
-            if offset > end:
-                buffer[end:offset].zero_()
-        bucket = WeightBucket(version, index, tuple(metas), buffer, weight_digest(buffer), last)
+        checksum = _pack_and_digest(buffer, metas, [t for _, t in pending])
+        if checksum is None:  # a device or non-contiguous tensor: torch copies, then one digest pass
+            end = 0
+            with torch.no_grad():
+                for meta, (_, t) in zip(metas, pending, strict=True):
+                    if meta.offset > end:
+                        buffer[end : meta.offset].zero_()
+                    dst = buffer[meta.offset : meta.offset + meta.nbytes]
+                    if meta.nbytes:
+                        dst.view(t.dtype).view(t.shape).copy_(t.detach())
+                    end = meta.offset + meta.nbytes
+                if offset > end:
+                    buffer[end:offset].zero_()
+            checksum = weight_digest(buffer)
+        bucket = WeightBucket(version, index, tuple(metas), buffer, checksum, last)
+        # the checksum was just taken from this buffer: a receiver of this object (same process) need not rehash
+        # it until torch sees an in-place write (the version counter; docs/weight-transports.md, "Verification")
+        bucket._mark_verified()
         pending, size, index = [], 0, index + 1
         return bucket
 

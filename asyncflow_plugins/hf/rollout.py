@@ -77,7 +77,7 @@ from asyncflow_core.types import (
     collect_update,
 )
 from asyncflow_core.types.sampling import sampling_logprobs
-from asyncflow_core.types.weights import dtype_from_name
+from asyncflow_core.types.weights import copy_tensors, dtype_from_name
 
 if TYPE_CHECKING:
     from asyncflow_core.types.adapter import LoraSpec
@@ -493,8 +493,9 @@ class TorchRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _copy_weights(self, received: dict[str, torch.Tensor]) -> None:
-        for name, tensor in received.items():
-            self._params[name].copy_(tensor)
+        # straight from the buckets (the tensors are views of them), in 8 MiB spans on the digest threads: one
+        # large copy_ split over torch's intra-op threads stalls when a core is busy (docs/performance.md)
+        copy_tensors([(self._params[name], tensor) for name, tensor in received.items()])
 
     # -- the scheduler ---------------------------------------------------------
 

@@ -468,7 +468,7 @@ class DistWeightTransport(WeightTransport):
                 )
             await asyncio.sleep(self.config.poll_interval_s)
         _, buckets = staged
-        if self.is_source:  # receivers verified on arrival; the source checks what it holds
+        if self.is_source:  # receivers verified on arrival; the source checks what it holds (free if it packed them)
             await asyncio.to_thread(verify_all, buckets, where=f"staged on source rank {self.config.rank}")
         for bucket in buckets:
             yield bucket

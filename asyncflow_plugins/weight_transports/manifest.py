@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, TypeVar
 
 import numpy as np
@@ -170,15 +170,19 @@ def verify_all(buckets: Sequence[WeightBucket], *, where: str) -> None:
     verify_buckets(buckets, where=where)
 
 
-def copy_into(payload: torch.Tensor, manifest: VersionManifest, buckets: Sequence[WeightBucket]) -> None:
+def copy_into(payload: torch.Tensor, manifest: VersionManifest, buckets: Sequence[WeightBucket], *,
+              only: Collection[int] | None = None) -> None:
     """Write each bucket's buffer at its manifest offset in ``payload`` (the padding between them is left as is).
 
     The copy runs in spans of ``DIGEST_SPAN_BYTES`` on the digest threads
-    (``numpy.copyto`` releases the GIL).
+    (``numpy.copyto`` releases the GIL). ``only``: the indices of the
+    buckets to copy (the others are already in place).
     """
     dst = payload.numpy()
     jobs = []
     for entry, bucket in zip(manifest.buckets, buckets, strict=True):
+        if only is not None and entry.index not in only:
+            continue
         src = bucket.buffer.reshape(-1)
         if src.device.type != "cpu":
             payload[entry.offset : entry.offset + entry.nbytes].copy_(src)

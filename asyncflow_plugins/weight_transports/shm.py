@@ -15,6 +15,11 @@ files under ``directory`` (``/dev/shm``, i.e. RAM):
   a receiver re-reads it after copying, and a copy that raced with a rewrite
   (a receiver slower than two whole sends) is detected and retried.
 
+The sender can also have a version packed straight into the slot its next
+send writes (:meth:`ShmWeightTransport.allocator`, passed to
+``pack_buckets(..., allocate=)``): ``send`` then finds the buckets already in
+place and only publishes them, with no copy.
+
 Receivers map the segment and copy the payload into their own buffer (kept
 across versions in an ``ExportArena`` unless ``reuse_buffers`` is off), hashing
 each span right after copying it (one pass, on the digest threads), check the
@@ -38,7 +43,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +56,7 @@ from asyncflow_core.types import WeightBucket
 from asyncflow_plugins.weight_transports.config import ShmTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
+    align,
     buckets_from_payload,
     copy_into,
     manifest_for,
@@ -59,6 +65,7 @@ from asyncflow_plugins.weight_transports.manifest import (
 )
 from asyncflow_core.types.weights import (
     ExportArena,
+    _storage_users,
     digest_leaf,
     digest_pool,
     digest_root,
@@ -101,15 +108,40 @@ class _Segment:
         self.path = path
         self.size = size
         self.view = torch.frombuffer(self.map, dtype=torch.uint8)
+        self._own = _storage_users(self.view)  # the users this object accounts for (its own view)
         self.version: int | None = None
+        #: the generation an allocator set when it began packing a version into this segment, else None
+        self.packing: int | None = None
 
     def set_header(self, generation: int, state: int, version: int) -> None:
         HEADER.pack_into(self.map, 0, MAGIC, generation, state, version)
 
+    def held_outside(self) -> bool:
+        """Whether anything beside this object uses the mapping (buckets packed into it, views of them).
+
+        ``False`` when torch cannot count: then nothing is ever packed into a segment (``allocator`` hands
+        out fallback buffers only), so nothing outside can hold it.
+        """
+        users = _storage_users(self.view)
+        return users is not None and self._own is not None and users > self._own
+
+    def place(self, buffer: torch.Tensor) -> int | None:
+        """The payload offset of ``buffer`` when it lies in this segment's payload, else None."""
+        if buffer.device.type != "cpu" or buffer.untyped_storage().data_ptr() != self.view.untyped_storage().data_ptr():
+            return None
+        return buffer.data_ptr() - self.view.data_ptr() - HEADER_BYTES
+
     def close(self) -> None:
-        self.view = None  # drop the exported buffer before unmapping
-        with contextlib.suppress(BufferError, ValueError):
-            self.map.close()
+        self.packing = None
+        held = self.view is not None and self.held_outside()
+        self.view = None
+        if not held and self.map is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                self.map.close()
+        # else buckets packed into it still use the mapping: torch.frombuffer holds no buffer export that would
+        # make close() refuse, so unmapping now would leave them dangling; their storage keeps the mmap object
+        # alive and it unmaps when the last of them goes
+        self.map = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -138,6 +170,8 @@ class ShmWeightTransport(WeightTransport):
         self._closed = False
         # a receiver's copies: kept pages, no page faults per version; a version an engine still holds is never reused
         self._payloads = ExportArena() if self.config.reuse_buffers else None
+        self._stats = {"in_place_bytes": 0, "copied_bytes": 0}
+        self._needed: int | None = None  # segment bytes the last staged version took: what allocator() lays out
         # unlinks whatever this sender created if close() is never called (GC or interpreter exit)
         self._owned: list[Path] = []
         self._finalizer = weakref.finalize(self, _unlink_all, self._owned)
@@ -147,6 +181,76 @@ class ShmWeightTransport(WeightTransport):
         return FEATURES
 
     # ------------------------------------------------------------------ send
+
+    def allocator(self, fallback: Callable[[int], torch.Tensor] | None = None) -> Callable[[int], torch.Tensor]:
+        """``allocate(nbytes)`` for ``pack_buckets``: a version's buffers laid out in the slot the next send writes.
+
+        Pack the next version with it and ``send`` finds the buckets already
+        in place: it publishes them without copying. The slot is the one not
+        holding the staged version (receivers may be copying that one), and
+        its header says "being written" from the first allocation on, so a
+        slow receiver still copying an older version out of it retries. A
+        bucket gets ``fallback(nbytes)`` (default: a fresh CPU buffer) and
+        is copied in by ``send`` as before when the slot cannot take it: on
+        the first version (the segment's size is learnt from the first
+        send), when the version outgrew the last one, or when something
+        still holds buckets packed into that slot earlier (their bytes are
+        never overwritten). Buckets must be sent whole, in the order packed,
+        and not written after packing.
+        """
+        self._check_open()
+        fallback = fallback or (lambda n: torch.empty(n, dtype=torch.uint8))
+        segment: _Segment | None = None
+        generation: int | None = None
+        started = False
+        end = 0
+
+        def allocate(nbytes: int) -> torch.Tensor:
+            nonlocal segment, generation, started, end
+            if not started:
+                started = True
+                segment, generation = self._begin_packing()
+            offset = align(end)  # where manifest_for will put this bucket
+            end = offset + nbytes
+            with self._lock:
+                # still ours: no send or other allocator replaced the segment or began packing into it since
+                view = (segment.view if segment is not None and generation is not None
+                        and segment.packing == generation and HEADER_BYTES + end <= segment.size else None)
+                if view is not None:
+                    return view[HEADER_BYTES + offset : HEADER_BYTES + end]
+            return fallback(nbytes)
+
+        return allocate
+
+    def _begin_packing(self) -> tuple[_Segment | None, int | None]:
+        """The segment a new version may be packed into (header set to "being written") and its packing mark."""
+        with self._lock:
+            if self._closed or self._needed is None or _storage_users(torch.empty(0)) is None:
+                return None, None  # nothing staged yet (size unknown), or torch cannot tell us who holds a segment
+            slot = self._free_slot()
+            segment = self._slots.get(slot)
+            if segment is None or segment.size < self._needed or segment.held_outside():
+                segment = self._new_segment(slot, self._needed)
+            self._generation += 1
+            segment.packing = self._generation
+            segment.set_header(self._generation, WRITING, 0)
+            return segment, self._generation
+
+    def _free_slot(self) -> str:
+        """The slot that does not hold the staged version (receivers may be copying that one)."""
+        current = self._staged.segment if self._staged else None
+        holds_current = self._slots.get("a") is not None and self._slots["a"].path.name == current
+        return "b" if holds_current else "a"
+
+    def _new_segment(self, slot: str, size: int) -> _Segment:
+        old = self._slots.get(slot)
+        if old is not None:
+            old.close()  # a receiver still copying, or buckets packed into it, keep their mapping; the name goes away
+        self._counter += 1
+        path = self.dir / f"{PREFIX}{self.name}-{os.getpid()}-{self._token}-{slot}{self._counter}"
+        self._owned.append(path)
+        segment = self._slots[slot] = _Segment(path, size)
+        return segment
 
     async def send(self, buckets: AsyncIterable[WeightBucket], *, deadline_s: float) -> TransferReport:
         self._check_open()
@@ -183,25 +287,32 @@ class ShmWeightTransport(WeightTransport):
                 raise WeightTransferError("staging was cancelled (deadline passed or transport closed)")
             weights = manifest_for(buckets)
             self._check_newer(weights.version)
-            if not self._slots:
+            if not self._slots and self._staged is None:
                 self._claim_name()
-            current = self._staged.segment if self._staged else None
-            holds_current = self._slots.get("a") is not None and self._slots["a"].path.name == current
-            slot = "b" if holds_current else "a"
+            slot = self._free_slot()
             segment = self._slots.get(slot)
             needed = HEADER_BYTES + weights.total_bytes
-            if segment is None or segment.size < needed:
-                if segment is not None:
-                    segment.close()  # a receiver still copying from it keeps its mapping; the name goes away
-                self._counter += 1
-                path = self.dir / f"{PREFIX}{self.name}-{os.getpid()}-{self._token}-{slot}{self._counter}"
-                self._owned.append(path)
-                segment = self._slots[slot] = _Segment(path, needed)
+            placed = [segment.place(b.buffer) if segment is not None else None for b in buckets]
+            in_place = [p is not None and p == e.offset for p, e in zip(placed, weights.buckets, strict=True)]
+            packed_here = segment is not None and segment.packing is not None and any(in_place)
+            if packed_here and any(p is not None and not ok for p, ok in zip(placed, in_place, strict=True)):
+                packed_here = False  # some bucket lies in the slot but not where the manifest puts it: copy anew
+            if segment is None or segment.size < needed or (not packed_here and segment.held_outside()):
+                segment = self._new_segment(slot, needed)  # never overwrite bytes something still holds
+                in_place = [False] * len(buckets)
+            segment.packing = None
             self._generation += 1
             generation = self._generation
             segment.set_header(generation, WRITING, weights.version)
-            copy_into(segment.view[HEADER_BYTES : HEADER_BYTES + weights.total_bytes], weights, buckets)
+            copy = [(e, b) for e, b, ok in zip(weights.buckets, buckets, in_place, strict=True) if not ok]
+            if copy:
+                copy_into(segment.view[HEADER_BYTES : HEADER_BYTES + weights.total_bytes], weights, buckets,
+                          only=[e.index for e, _ in copy])
             segment.set_header(generation, READY, weights.version)
+            self._needed = needed
+            self._stats["in_place_bytes"] += sum(e.nbytes for e, ok in zip(weights.buckets, in_place, strict=True)
+                                                 if ok)
+            self._stats["copied_bytes"] += sum(e.nbytes for e, _ in copy)
             if cancelled.is_set():
                 raise WeightTransferError("staging was cancelled by its deadline")
             manifest = ShmManifest(
@@ -219,6 +330,11 @@ class ShmWeightTransport(WeightTransport):
             if self.manifest_path not in self._owned:
                 self._owned.append(self.manifest_path)
             self._staged = manifest
+
+    def stats(self) -> dict[str, int]:
+        """Bytes the sender published in place (packed by :meth:`allocator`) and bytes it copied into a segment."""
+        with self._lock:
+            return dict(self._stats)
 
     def _claim_name(self) -> None:
         """First send: refuse a name another live sender uses; remove segments of dead senders."""
