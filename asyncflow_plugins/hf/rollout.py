@@ -200,6 +200,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._max_positions: int | None = None
         self._eos: frozenset[int] = frozenset()
         self._keep_logits_arg = False
+        self._cache_arg = "past_key_values"
         self._version = 0
         self._gen: torch.Generator | None = None
         self._active: dict[str, _Seq] = {}
@@ -246,7 +247,11 @@ class TorchRolloutEngine(RolloutEngine):
         positions = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         self._max_positions = int(positions) if positions else None
         self._eos = self._eos_ids()
-        self._keep_logits_arg = "logits_to_keep" in inspect.signature(net.forward).parameters
+        forward_args = inspect.signature(net.forward).parameters
+        self._keep_logits_arg = "logits_to_keep" in forward_args
+        # transformers 5.x names the key/value cache ``cache`` (``past_key_values`` is deprecated and goes in 5.40);
+        # 4.x knows only ``past_key_values``
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._params = dict(net.state_dict(keep_vars=True))
         self._gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
         if self._lora is not None:
@@ -626,10 +631,9 @@ class TorchRolloutEngine(RolloutEngine):
         """Last-position logits (float32) and the updated per-layer key/value tensors."""
         assert self._net is not None
         extra = {"logits_to_keep": 1} if self._keep_logits_arg else {}
-        out = self._net(
-            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, **extra
-        )
-        return out.logits[:, -1].float(), _cache_tensors(out.past_key_values)
+        extra[self._cache_arg] = cache
+        out = self._net(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+        return out.logits[:, -1].float(), _cache_tensors(getattr(out, self._cache_arg))
 
     def _decode(self, batch: _Batch) -> tuple[_Batch, torch.Tensor]:
         from transformers import DynamicCache

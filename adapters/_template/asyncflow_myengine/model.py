@@ -14,6 +14,7 @@ names of a weight update are the ones the trainers export (Hugging Face
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -45,5 +46,7 @@ def next_logits(net: torch.nn.Module, tokens: list[int], cache: Any, device: str
     from transformers import DynamicCache
 
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
-    out = net(input_ids=ids, past_key_values=cache if cache is not None else DynamicCache(), use_cache=True)
-    return out.logits[0, -1].float().cpu(), out.past_key_values
+    # transformers 5.x calls the key/value cache ``cache`` (``past_key_values`` goes in 5.40); 4.x the old name
+    name = "cache" if "cache" in inspect.signature(net.forward).parameters else "past_key_values"
+    out = net(input_ids=ids, use_cache=True, **{name: cache if cache is not None else DynamicCache()})
+    return out.logits[0, -1].float().cpu(), getattr(out, name)
