@@ -22,7 +22,20 @@ the ``sim`` engines (docs/simulation.md) by least squares:
   small models, whose passes cost the same whatever the batch) and the
   fit says so;
 - **weights**: ``send_weights`` and ``update_weights`` span means;
-- **lengths**: the mean response length (the sim draws lengths around it).
+- **lengths**: the mean response length (the sim draws lengths around it);
+- **driver**: what a synchronous step's engine spans leave unexplained
+  (scoring, advantages, store traffic: the real step minus its twin's) per
+  trained sample, charged to the sim reward (the driver's lane, before the
+  train step), not to the train step;
+- **host** (only from an overlapped run, ``async.mode`` one_step / async):
+  how much slower the trainer's and a replica's work runs while the other
+  runs beside it on the same machine. Each ``train_step`` and ``generate``
+  span of the overlapped run has the work the synchronous fit gives it
+  (``W``), its width and the fraction ``f`` of it overlapped by the other
+  engine: ``W = width x (1 - f) + width x f x rate``; the median rate of
+  each engine gives the shared host's demands and efficiency
+  (:mod:`asyncflow_plugins.sim.host`). The sync runs give the costs alone,
+  so base costs are fitted from them only.
 
 :func:`sim_overrides` turns a config into its simulated twin: rollout,
 trainer and weight transport become ``sim`` with the fitted model, the
@@ -33,7 +46,6 @@ and everything else — data, batch sizes, bound, replicas — stays, so
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import statistics
@@ -65,7 +77,14 @@ class RunRecord:
     score_seconds: float  #: the reward lanes' score spans, summed
     wake_seconds: list[float]
     busy_durations: list[float]  #: every rollout replica's generate spans (busy periods)
+    train_spans: list[tuple[float, float]]  #: (start, end) of every train_step span, in step order
+    generate_spans: list[tuple[float, float]]  #: (start, end) of every replica's generate spans
+    update_spans: list[tuple[float, float]]  #: (start, end) of every replica's update_weights spans
+    score_spans: list[tuple[float, float]]  #: (start, end) of the reward lanes' score spans
+    samples: list[int]  #: per step: samples trained
+    step_ends: list[float]  #: per step: its end on the run clock (the spans' clock)
     step_seconds: float  #: median width of a step
+    mean_step_seconds: float  #: mean width of the steps after the first (what a rate over many steps pays)
     synchronous: bool  #: async.mode sync: a step is its parts one after the other
     busy_periods: int
     requests: int  #: generations that finished (trained or not)
@@ -120,7 +139,15 @@ def load_run(run_dir: Path) -> RunRecord:
         sleep_seconds=durations("train", "sleep"), wake_seconds=durations("train", "wake"),
         score_seconds=sum(s.end - s.start for s in spans if s.lane.startswith("reward") and s.name == "score"),
         busy_durations=[s.end - s.start for s in generate], busy_periods=len(generate), requests=requests,
+        train_spans=[(s.start, s.end) for s in sorted(spans, key=lambda s: s.start)
+                     if s.lane.startswith("train") and s.name == "train_step"],
+        generate_spans=sorted((s.start, s.end) for s in generate), samples=[int(m["samples"]) for m in metrics],
+        update_spans=sorted((s.start, s.end) for s in spans if s.lane.startswith("rollout/")
+                            and s.name == "update_weights"),
+        step_ends=[float(m["time_s"]) for m in metrics],
+        score_spans=sorted((s.start, s.end) for s in spans if s.lane.startswith("reward") and s.name == "score"),
         step_seconds=statistics.median(float(m["step_seconds"]) for m in metrics[1:] or metrics),
+        mean_step_seconds=statistics.fmean(float(m["step_seconds"]) for m in metrics[1:] or metrics),
         synchronous=(config.get("async") or {}).get("mode", "sync") == "sync",
         generated_tokens=generated, prompt_tokens=prompt, max_new_tokens=int(config["rollout"]["max_new_tokens"]),
         replicas=int(config["rollout"].get("replicas", 1)),
@@ -139,11 +166,21 @@ class Calibration:
     notes: list[str] = field(default_factory=list)
     fit: dict[str, Any] = field(default_factory=dict)
     reward: dict[str, Any] = field(default_factory=dict)
+    #: the shared host (``asyncflow_plugins.sim.host``): capacity, efficiency, and demand per engine kind
+    #: (rollout, train, reward); empty when no overlapped run was given
+    host: dict[str, Any] = field(default_factory=dict)
 
     def dump(self) -> dict[str, Any]:
         return {"rollout": {"latency": self.rollout, "lengths": self.lengths}, "trainer": {"latency": self.train},
-                "weight_transport": {"latency": self.transfer}, "reward": self.reward, "notes": self.notes,
-                "fit": self.fit}
+                "weight_transport": {"latency": self.transfer}, "reward": self.reward, "host": self.host,
+                "notes": self.notes, "fit": self.fit}
+
+    def share(self, engine: str) -> dict[str, Any] | None:
+        """The ``machine:`` option of the sim ``engine`` (rollout, train, reward), None without a host model."""
+        if not self.host:
+            return None
+        return {"name": "host", "capacity": self.host["capacity"], "efficiency": self.host["efficiency"],
+                "demand": self.host["demand"][engine]}
 
 
 def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -172,13 +209,20 @@ def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
     return best[1]
 
 
-def fit(runs: Sequence[RunRecord]) -> Calibration:
-    """Fit the sim latency model to ``runs`` (see the module docstring)."""
+def fit(runs: Sequence[RunRecord], *, cores: int | None = None) -> Calibration:
+    """Fit the sim latency model to ``runs`` (see the module docstring); ``cores``: the host's (default: this
+    machine's, where the runs are assumed to have run)."""
     notes: list[str] = []
+    sync = [r for r in runs if r.synchronous]
+    overlapped = [r for r in runs if not r.synchronous]
+    base = sync or list(runs)
+    if not sync:
+        notes.append("no synchronous run: the engines' costs alone are fitted from overlapped runs, where they "
+                     "slow each other down; calibrate from async.mode: sync runs (and one overlapped run)")
     # medians per run, not every step: on a shared machine single steps stall for seconds
     # -- train: seconds = a * tokens + b, one point per run
-    xs = [statistics.median(r.train_tokens) for r in runs]
-    ys = [statistics.median(r.train_seconds) for r in runs]
+    xs = [statistics.median(r.train_tokens) for r in base]
+    ys = [statistics.median(r.train_seconds) for r in base]
     spread = (max(xs) - min(xs)) / max(statistics.fmean(xs), 1.0)
     if spread < 0.2:
         a = statistics.fmean(ys) / statistics.fmean(xs)
@@ -190,32 +234,34 @@ def fit(runs: Sequence[RunRecord]) -> Calibration:
         a, b = _least_squares([[x, 1.0] for x in xs], ys)
     train = {"devices": 1, "params": 1.0, "mfu": 1.0, "peak_flops_per_device": 6.0 / max(a, 1e-15),
              "step_overhead_s": b}
-    fwd = [s for r in runs for s in r.forward_seconds]
+    fwd = [s for r in base for s in r.forward_seconds]
     if fwd:
         train["forward_fraction"] = 1.0
         train["forward_overhead_s"] = max(0.0, statistics.median(fwd) - a * statistics.fmean(xs))
     # -- rollout: one busy period = o * passes + c * tokens, one point per run (median period)
     rows, busy = [], []
-    for r in runs:
+    for r in base:
         if not r.busy_periods:
             raise ConfigError(f"--calibrate {r.path}: no rollout generate spans; calibrate from a run that generated")
         mean_len = r.generated_tokens / max(r.requests, 1)
         if mean_len < 0.5 * r.max_new_tokens:
             notes.append(f"rollout ({r.path.name}): responses average {mean_len:.1f} of {r.max_new_tokens} tokens; the "
                          "pass count assumes every busy period runs to the cap, so the per-pass cost is a lower bound")
-        tokens = (r.requests * r.prompt_tokens + r.generated_tokens) / r.busy_periods
-        rows.append([float(r.max_new_tokens), float(tokens)])
+        rows.append([float(r.max_new_tokens), _period_tokens(r)])
         busy.append(statistics.median(r.busy_durations))
     o, c = _least_squares(rows, busy)
-    if len(runs) == 1 or c == 0.0 or o == 0.0:
-        notes.append("rollout: " + ("one run cannot tell" if len(runs) == 1 else "these runs did not tell")
+    if len(base) == 1 or c == 0.0 or o == 0.0:
+        notes.append("rollout: " + ("one run cannot tell" if len(base) == 1 else "these runs did not tell")
                      + f" the per-pass cost from the per-token cost; fitted pass {o * 1e3:.3g} ms, token "
                      f"{c * 1e6:.3g} us. Calibrate from runs at two batch sizes to fit both")
+    if any(r.replicas > 1 for r in sync):
+        notes.append("a synchronous calibration run has several replicas: they share the host, so the fitted "
+                     "rollout cost is not one replica's alone; calibrate from one-replica runs")
     cfg = runs[0].config
     batch = next((v for k, v in (cfg["rollout"].get("options") or {}).items() if k in _BATCH_OPTIONS), None)
     # a colocated step's sleep / wake (0 when the engine never slept: the sim must not invent the cost)
-    sleep = [s for r in runs for s in r.sleep_seconds]
-    wake = [s for r in runs for s in r.wake_seconds]
+    sleep = [s for r in base for s in r.sleep_seconds]
+    wake = [s for r in base for s in r.wake_seconds]
     rollout = {"devices_per_replica": 1, "step_overhead_s": o, "weight_read_s": 0.0, "per_seq_s": c,
                "prefill_s_per_token": c, "kv_tokens_per_device": 1 << 40,
                "sleep_s": statistics.median(sleep) if sleep else 0.0,
@@ -223,50 +269,263 @@ def fit(runs: Sequence[RunRecord]) -> Calibration:
                "wake_up_level2_s": statistics.median(wake) if wake else 0.0}
     if batch is not None:
         rollout["max_running_seqs"] = int(batch)
-    mean_len = sum(r.generated_tokens for r in runs) / max(sum(r.requests for r in runs), 1)
-    lengths = _fit_lengths(mean_len, min(r.max_new_tokens for r in runs))
+    mean_len = sum(r.generated_tokens for r in base) / max(sum(r.requests for r in base), 1)
+    lengths = _fit_lengths(mean_len, min(r.max_new_tokens for r in base))
     # -- weights
-    send = [s for r in runs for s in r.send_seconds]
-    recv = [s for r in runs for s in r.receive_seconds]
-    nbytes = statistics.fmean([r.weight_bytes for r in runs])
+    send = [s for r in base for s in r.send_seconds]
+    recv = [s for r in base for s in r.receive_seconds]
+    nbytes = statistics.fmean([r.weight_bytes for r in base])
     transfer = {"model_bytes": nbytes, "latency_s": 0.0,
                 "send_bandwidth_bytes_per_s": nbytes / max(statistics.median(send) if send else 1e-6, 1e-6),
                 "receive_bandwidth_bytes_per_s": nbytes / max(statistics.median(recv) if recv else 1e-6, 1e-6)}
-    reward = {"seconds_per_sample": sum(r.score_seconds for r in runs) / max(sum(r.requests for r in runs), 1)}
-    cal = Calibration(rollout, lengths, train, transfer, notes, reward=reward)
-    # a synchronous step is its parts in turn: what the engines' spans leave unexplained (scoring, advantages,
-    # store traffic, the host's own overhead) is the real step minus the twin's, charged to the train step
-    gaps = [r.step_seconds - _simulated_step_seconds(r, cal) for r in runs if r.synchronous]
-    other = max(0.0, statistics.fmean(gaps)) if gaps else 0.0
+    cal = Calibration(rollout, lengths, train, transfer, notes, reward={"seconds_per_sample": 0.0})
+    # -- driver: a synchronous step is its parts in turn; what the engines' spans leave unexplained (scoring,
+    # advantages, store traffic, the host's own overhead) is the real step minus the twin's (free scoring), per
+    # trained sample, charged to the reward lane: the driver's work before the train step, not the trainer's
+    # (the mean step, not the median: the prediction is of a rate over many steps, and on a shared machine the
+    # steps other processes stall are part of what a run pays)
+    gaps = [r.mean_step_seconds - _simulated_step_seconds(r, cal) for r in sync]
+    per_step = [statistics.median(r.samples) for r in sync]
+    driver = max(0.0, sum(g * n for g, n in zip(gaps, per_step)) / sum(n * n for n in per_step)) if gaps else 0.0
+    if gaps and driver > 0:
+        driver = _match_driver(sync, cal, driver, [g for g in gaps], per_step)
     if not gaps:
         notes.append("no synchronous run: the per-step work outside the engines (scoring, advantages, store) is not "
                      "fitted (0); calibrate from async.mode: sync runs")
-    train["step_overhead_s"] = b + other
+    cal.reward["seconds_per_sample"] = driver
+    # -- host: how much the trainer and a replica slow each other down where they overlap
+    host_fit: dict[str, Any] = {}
+    if overlapped:
+        cores = cores or _cores()
+        rates_t = [x for r in overlapped for x in _overlap_rates(
+            [(s, e, a * tok + b) for (s, e), tok in zip(r.train_spans, r.train_tokens)], r.generate_spans)]
+        rates_r = [x for r in overlapped for x in _overlap_rates(
+            [(s, e, o * r.max_new_tokens + c * _step_tokens(r)) for s, e in r.generate_spans], r.train_spans)]
+        rate_t, rate_r = _median_rate(rates_t), _median_rate(rates_r)
+        n_t, n_r = len(rates_t), len(rates_r)
+        host_fit = {"train_rate": rate_t, "rollout_rate": rate_r, "train_spans": n_t, "rollout_spans": n_r}
+        if rate_t is None or rate_r is None:
+            notes.append("host: the overlapped runs have too few train_step / generate spans that overlap each other "
+                         "(half their width or more) to fit the shared host; the engines stay independent")
+        else:
+            rate_t, rate_r, match = _match_host(overlapped[0], cal, rate_t, rate_r, cores)
+            cal.host = _host_model(rate_t, rate_r, cores)
+            host_fit.update(match, cores=cores, matched_on=str(overlapped[0].path))
+            if any(r.replicas > 1 for r in overlapped):
+                notes.append("host: an overlapped calibration run has several replicas; the fit treats each "
+                             "overlap as the trainer beside one replica")
+    else:
+        notes.append("no overlapped run (async.mode one_step or async): the shared host is not fitted, so the engines "
+                     "are independent; on a machine whose engines share cores give one, e.g. async.mode=one_step")
     fit_info = {
         "runs": [str(r.path) for r in runs],
-        "train_s_per_token": a, "train_overhead_s": b, "other_step_s": other, "other_step_gaps_s": gaps,
+        "train_s_per_token": a, "train_overhead_s": b, "driver_s_per_sample": driver, "other_step_gaps_s": gaps,
         "train_median_s": ys, "train_median_tokens": xs,
         "rollout_pass_s": o, "rollout_token_s": c,
         "rollout_period_s": busy, "rollout_period_fitted_s": [o * p + c * t for p, t in rows],
         "send_s": statistics.median(send) if send else 0.0, "receive_s": statistics.median(recv) if recv else 0.0,
-        "mean_response_tokens": mean_len,
+        "mean_response_tokens": mean_len, "score_s_per_sample":
+            sum(r.score_seconds for r in base) / max(sum(r.requests for r in base), 1),
+        "host": host_fit,
     }
     cal.fit = fit_info
     return cal
 
 
-def _simulated_step_seconds(run: RunRecord, cal: Calibration) -> float:
-    """Median step width of ``run``'s config simulated with ``cal`` (its first 20 steps at most)."""
+def _match_driver(sync: list[RunRecord], cal: Calibration, guess: float, gaps: list[float],
+                  per_step: list[float], rounds: int = 4) -> float:
+    """The per-sample driver cost whose twins' mean steps match the sync runs' (a secant on the samples-weighted
+    residual, from 0 and ``guess``): scoring results as they finish overlaps the rest of a replica's busy
+    period, so only part of the cost lands on the step, and the first guess (all of it) is too small."""
+    def residual(x: float) -> float:
+        cal.reward["seconds_per_sample"] = x
+        return sum(n * (_simulated_step_seconds(r, cal) - r.mean_step_seconds) for r, n in zip(sync, per_step))
+
+    x0, f0 = 0.0, -sum(n * g for n, g in zip(per_step, gaps))
+    x1, f1 = guess, residual(guess)
+    scale = sum(n * r.mean_step_seconds for r, n in zip(sync, per_step))
+    for _ in range(rounds):
+        if abs(f1) < 0.002 * scale or f1 == f0:
+            break
+        x0, f0, x1 = x1, f1, max(0.0, x1 - f1 * (x1 - x0) / (f1 - f0))
+        f1 = residual(x1)
+    return x1
+
+
+def _period_tokens(r: RunRecord) -> float:
+    """Mean prompt + generated tokens of one busy period of ``r``."""
+    return (r.requests * r.prompt_tokens + r.generated_tokens) / max(r.busy_periods, 1)
+
+
+def _step_tokens(r: RunRecord) -> float:
+    """Prompt + generated tokens of one replica's share of a step's batch (a busy period of an overlapped run: the
+    mean over its periods would count the first one, which generates the k + 1 batches of the fill)."""
+    per_sample = r.prompt_tokens + r.generated_tokens / max(r.requests, 1)
+    return statistics.median(r.samples) * per_sample / max(r.replicas, 1)
+
+
+def _cores() -> int:
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _median_rate(rates: list[float]) -> float | None:
+    return min(1.0, max(0.02, statistics.median(rates))) if rates else None
+
+
+def _overlap_rates(spans: list[tuple[float, float, float]], others: list[tuple[float, float]],
+                   min_overlap: float = 0.5) -> list[float]:
+    """Rates of work during overlap, one run: each span (start, end, work alone) overlapped by ``others`` (same
+    run clock) for a fraction f >= ``min_overlap`` of its width w gives ``(work - w (1 - f)) / (w f)``."""
+    merged: list[list[float]] = []
+    for s, e in sorted(others):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    rates = []
+    for s, e, work in spans:
+        width = e - s
+        if width <= 0:
+            continue
+        inside = sum(max(0.0, min(e, me) - max(s, ms)) for ms, me in merged)
+        f = inside / width
+        if f >= min_overlap:
+            rates.append((work - width * (1 - f)) / (width * f))
+    return rates
+
+
+def _match_host(run: RunRecord, cal: Calibration, rate_t: float, rate_r: float, cores: int
+                ) -> tuple[float, float, dict[str, Any]]:
+    """Rates (trainer, replica beside each other) whose host makes ``run``'s simulated twin reproduce its median
+    ``train_step`` width and its mean step (after the warm-up of k + 1), from the first guess ``rate_t, rate_r``.
+
+    The first guess takes each span's work alone from the sync fit; but a replica's busy period of an
+    overlapped run may hold several batches (the next one arrives before it is idle), weight updates land
+    inside it (the sim recomputes the running batch's cache there, the torch engine in its update_weights
+    span) and the driver's work overlaps both, so the guess is only a start: the trainer's rate is moved
+    until its simulated steps are as wide as the real ones, then the replica's is scanned (0.25 to 1) and
+    bisected where the whole step crosses the real one (the replica sets the rest of it; the step is not
+    smooth in its rate), and the trainer's adjusted once more.
+    """
+    k = int((run.config.get("async") or {}).get("max_staleness", 1) or 1)
+    real_t, real_s = _lane_widths(run.train_spans, run.step_ends, k)
+    history: list[dict[str, Any]] = []
+
+    def trial(rt: float, rr: float) -> dict[str, Any]:
+        cal.host = _host_model(rt, rr, cores)
+        spans = _simulated_spans(run, cal, steps=min(40, len(run.train_seconds)))
+        sim_t, sim_s = _lane_widths(spans["train"], spans["ends"], k)
+        history.append({"train_rate": rt, "rollout_rate": rr, "train_width": [sim_t, real_t], "step": [sim_s, real_s],
+                        "error": abs(math.log(sim_t / real_t)) + abs(math.log(sim_s / real_s))})
+        return history[-1]
+
+    def fit_train(rt: float, rr: float, n: int) -> float:
+        prev = None
+        for _ in range(n):  # a train step's width is smooth in its rate: a secant
+            h = trial(rt, rr)
+            if abs(h["train_width"][0] / real_t - 1) < 0.005:
+                break
+            rt, prev = _next_rate(rt, h["train_width"][0], real_t, prev), (rt, h["train_width"][0])
+        return rt
+
+    rate_t = fit_train(rate_t, rate_r, 4)
+    # the step is not smooth in the replica's rate (which batch a weight update lands in, re-queues at the
+    # bound): a scan, then a finer one around the best
+    scan = [trial(rate_t, 0.25 + 0.75 * i / 7) for i in range(8)]
+    # the step shortens as the replica speeds up: bisect the first pair of neighbours that bracket the real one
+    pair = next(((x, y) for x, y in zip(scan, scan[1:]) if x["step"][0] >= real_s >= y["step"][0]), None)
+    if pair is not None:
+        lo, hi = pair[0]["rollout_rate"], pair[1]["rollout_rate"]
+        for _ in range(5):
+            mid = trial(rate_t, (lo + hi) / 2)
+            lo, hi = (mid["rollout_rate"], hi) if mid["step"][0] >= real_s else (lo, mid["rollout_rate"])
+    best = min((h for h in history if h["train_rate"] == rate_t), key=lambda h: h["error"])
+    rate_r = best["rollout_rate"]
+    rate_t = fit_train(rate_t, rate_r, 2)
+    best = min(history, key=lambda h: h["error"])
+    return best["train_rate"], best["rollout_rate"], {"rounds": history}
+
+
+def _lane_widths(train: list[tuple[float, float]], ends: list[float], k: int) -> tuple[float, float]:
+    """Median train_step width and mean step, over the steps after k + 1."""
+    warm = k + 1
+    lo, hi = (ends[warm - 1], ends[-1]) if len(ends) > warm + 1 else (ends[0], ends[-1])
+    steps = max(1, sum(1 for t in ends if lo < t <= hi))
+    widths = [e - s for s, e in train if s >= lo] or [e - s for s, e in train]
+    return statistics.median(widths), (hi - lo) / steps
+
+
+def _next_rate(rate: float, width: float, target: float, prev: tuple[float, float] | None) -> float:
+    """The rate whose simulated width hits ``target``: a width is ``A + B / rate`` (work alone plus work shared),
+    solved through this round and the last (``prev``: rate, width); scaled by width / target without one."""
+    new = rate * width / target
+    if prev is not None and prev[0] != rate and prev[1] != width:
+        slope = (prev[1] - width) / (1 / prev[0] - 1 / rate)
+        base = width - slope / rate
+        if slope > 0 and target > base:
+            new = slope / (target - base)
+    return min(1.0, max(0.02, new))
+
+
+def _host_model(rate_t: float, rate_r: float, cores: int) -> dict[str, Any]:
+    """Host options that give the trainer ``rate_t`` and a replica ``rate_r`` of their speed alone while both run.
+
+    Rates that sum to less than 1: both keep the host busy alone (demand >= capacity), so they split it in
+    proportion to their demands, and the efficiency is the sum of the two rates (what is left of the host's
+    throughput). Rates that sum to 1 or more lose nothing (efficiency 1): the faster engine does not fill
+    the host alone (demand below capacity: it runs at capacity / D), the slower one does (capacity / D x
+    demand / capacity). The driver (reward lane) is one Python thread: one core.
+    """
+    cap = float(cores)
+    lo_t, lo_r = min(rate_t, 1.0), min(rate_r, 1.0)
+    if lo_t + lo_r < 1.0:
+        eff = lo_t + lo_r
+        d_t, d_r = cap * max(1.0, lo_t / lo_r), cap * max(1.0, lo_r / lo_t)
+    else:
+        eff = 1.0
+        low, high = sorted((lo_t, lo_r))
+        big, small = cap * high / low, max(1e-3 * cap, cap * (1.0 - high) / low)
+        d_t, d_r = (big, small) if lo_t >= lo_r else (small, big)
+    return {"capacity": cap, "efficiency": eff, "demand": {"train": d_t, "rollout": d_r, "reward": min(1.0, cap)}}
+
+
+def _twin_config(run: RunRecord, cal: Calibration, steps: int) -> Any:
     from asyncflow_core.config import load_config, resolve
+
+    twin = simulated_twin(run.config, cal)
+    return resolve(load_config(data=run.config, overrides=[
+        *twin, "rollout.options.payload=lengths", f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
+        "trainer.export_final=false", "logging.level=WARNING"]))
+
+
+def _simulated_step_seconds(run: RunRecord, cal: Calibration) -> float:
+    """Mean width of the steps after the first of ``run``'s config simulated with ``cal`` (20 steps at most)."""
     from asyncflow_core.flow.runtime import run_flow
 
-    steps = min(20, len(run.train_seconds))
-    twin = simulated_twin(run.config, cal)
-    cfg = load_config(data=run.config, overrides=[*twin, "rollout.options.payload=lengths",
-                                                  f"trainer.total_steps={steps}", "trainer.checkpoint_every=0",
-                                                  "logging.level=WARNING"])
-    ends = run_flow(resolve(cfg), virtual=True, write_png=False)["step_end_s"]
-    return statistics.median(b - a for a, b in itertools.pairwise(ends)) if len(ends) > 1 else ends[0]
+    ends = run_flow(_twin_config(run, cal, min(20, len(run.train_seconds))), virtual=True, write_png=False)["step_end_s"]
+    return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else ends[0]
+
+
+def _simulated_spans(run: RunRecord, cal: Calibration, steps: int) -> dict[str, list[tuple[float, float]]]:
+    """The train_step and generate spans of ``run``'s config simulated with ``cal`` (``steps`` steps)."""
+    import tempfile
+
+    from asyncflow_core.flow.runtime import run_flow
+    from asyncflow_core.flow.telemetry import load_metrics, load_spans
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_flow(_twin_config(run, cal, steps), virtual=True, run_dir=Path(tmp), write_png=False)
+        spans = sorted(load_spans(Path(tmp)), key=lambda s: s.start)
+        ends = [float(m["time_s"]) for m in load_metrics(Path(tmp) / "metrics.jsonl") if "step" in m]
+    return {"train": [(s.start, s.end) for s in spans if s.lane.startswith("train") and s.name == "train_step"],
+            "rollout": [(s.start, s.end) for s in spans if s.lane.startswith("rollout/")
+                        and s.name in ("generate", "update_weights")],
+            "ends": ends}
 
 
 def _fit_lengths(mean: float, cap: int, sigma: float = 0.25) -> dict[str, float]:
@@ -311,17 +570,19 @@ def simulated_twin(raw: dict[str, Any], cal: Calibration) -> list[str]:
     if batch is not None:  # the predicted config's own concurrency, not the calibration run's
         rollout["max_running_seqs"] = int(batch)
     vocab = _vocab(raw)
-    opts = {"rollout.options": {"latency": rollout, "lengths": cal.lengths, "vocab_size": vocab},
-            "trainer.options": {"latency": cal.train, "vocab_size": vocab},
+    opts = {"rollout.options": {"latency": rollout, "lengths": cal.lengths, "vocab_size": vocab,
+                                "machine": cal.share("rollout")},
+            "trainer.options": {"latency": cal.train, "vocab_size": vocab, "machine": cal.share("train")},
             "weight_transport.options": {"latency": cal.transfer},
-            "reward.options": cal.reward}
+            "reward.options": {**cal.reward, "machine": cal.share("reward")}}
     names = {"rollout.name": "sim", "trainer.name": "sim", "weight_transport.name": "sim", "reward.name": "sim"}
     return [f"{k}={json.dumps(v)}" for k, v in {**names, **opts}.items()]
 
 
-def fit_runs(run_dirs: Sequence[Path]) -> Calibration:
-    """Fit from the runs in ``run_dirs`` and write the fit to ``calibration.yaml`` in the first of them."""
-    cal = fit([load_run(p) for p in run_dirs])
+def fit_runs(run_dirs: Sequence[Path], *, cores: int | None = None) -> Calibration:
+    """Fit from the runs in ``run_dirs`` and write the fit to ``calibration.yaml`` in the first of them (``cores``:
+    of the machine the runs ran on; default this one's)."""
+    cal = fit([load_run(p) for p in run_dirs], cores=cores)
     out = Path(run_dirs[0]) / "calibration.yaml"
     try:
         out.write_text(yaml.safe_dump(cal.dump(), sort_keys=False))

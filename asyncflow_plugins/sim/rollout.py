@@ -28,6 +28,7 @@ from asyncflow_core.errors import EngineError, WeightTransferError
 from asyncflow_core.interfaces import Health, KVCachePolicy, PauseMode, RolloutEngine, RolloutFeatures
 from asyncflow_core.types import FinishReason, GenerationRequest, GenerationResult, WeightBucket
 from asyncflow_core.types.generation import with_version_range
+from asyncflow_plugins.sim.host import SimHost, SimHostShare, host_for
 from asyncflow_plugins.sim.latency import ResponseLengths, RolloutLatency
 from asyncflow_plugins.sim.policy import cyclic_slice, logprob_buffer, request_uniform, token_buffer
 
@@ -66,6 +67,10 @@ class SimRolloutConfig(BaseModel):
         "lengths (zero-width token ids and log-probs, real per-token versions; the same schedule, far less work at "
         "scale; asyncflow sim's default).",
     )
+    machine: SimHostShare | None = Field(
+        None, description="Share a simulated machine's cores with the other sim engines that name the same host "
+        "(processor sharing: prefill and decoding slow down while they run; docs/simulation.md). None: the "
+        "replica has its own devices.")
 
 
 @dataclass(eq=False)
@@ -142,6 +147,7 @@ class SimRolloutEngine(RolloutEngine):
         self._shut = False
         self._failure: BaseException | None = None
         self._tokens: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self._host: SimHost | None = None
 
     # -- properties -------------------------------------------------------------
     @property
@@ -178,6 +184,7 @@ class SimRolloutEngine(RolloutEngine):
             return
         c = self.config
         self._tokens = token_buffer(c.policy_seed, c.vocab_size)
+        self._host = host_for(c.machine) if c.machine is not None else None
         self._accepting = asyncio.Event()
         self._accepting.set()
         self._quiescent = asyncio.Event()
@@ -512,8 +519,16 @@ class SimRolloutEngine(RolloutEngine):
         self._asleep = 0
 
     async def _spend(self, seconds: float) -> None:
-        await asyncio.sleep(seconds * self._scale)
+        await self._busy(seconds)
         self.stats.overhead_seconds += seconds
+
+    async def _busy(self, seconds: float) -> None:
+        """Spend ``seconds`` of modelled work without interruption (longer on a shared, busy host)."""
+        if self._host is None:
+            await asyncio.sleep(seconds * self._scale)
+        else:
+            assert self.config.machine is not None
+            await self._host.spend(seconds, self.config.machine.demand, self._scale)
 
     # -- the scheduler --------------------------------------------------------------------
     def _poke_scheduler(self) -> None:
@@ -535,6 +550,19 @@ class SimRolloutEngine(RolloutEngine):
             self._poke = None
             if handle is not None:
                 handle.cancel()
+
+    async def _work_poke(self, host: SimHost, seconds: float) -> tuple[bool, float]:
+        """Work ``seconds`` on the shared host unless poked first: (poked, modelled seconds of work done)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._poke = fut
+        assert self.config.machine is not None
+        act = host.start(seconds, self.config.machine.demand, self._scale, fut)
+        try:
+            poked = await fut
+        finally:
+            self._poke = None
+            done = host.stop(act)
+        return poked, done
 
     def _scheduler_done(self, task: asyncio.Task) -> None:
         if task.cancelled() or task.exception() is None:
@@ -570,18 +598,23 @@ class SimRolloutEngine(RolloutEngine):
             n = heap[0][0] - self._steps
             t0 = loop.time()
             stats.events += 1
-            if not await self._wait_poke(stall + n * step):
+            host = self._host
+            if host is None:
+                poked = await self._wait_poke(stall + n * step)
+                elapsed = (loop.time() - t0) / self._scale if poked else 0.0
+            else:  # modelled time is work done, which a busy host slows
+                poked, elapsed = await self._work_poke(host, stall + n * step)
+            if not poked:
                 k = n
             else:
-                elapsed = (loop.time() - t0) / self._scale
                 if elapsed < stall:  # a prefill is not interruptible
-                    await asyncio.sleep((stall - elapsed) * self._scale)
+                    await self._busy(stall - elapsed)
                     k = 0
                 else:
                     x = (elapsed - stall) / step
                     k = min(n, math.floor(x + _EPS))
                     if k < n and x - k > _EPS:  # finish the step in progress: that is the safe point
-                        await asyncio.sleep((k + 1 - x) * step * self._scale)
+                        await self._busy((k + 1 - x) * step)
                         k += 1
             stats.busy_seconds += stall + k * step
             stats.prefill_seconds += stall

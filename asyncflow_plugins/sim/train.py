@@ -16,6 +16,7 @@ from asyncflow_core import columns as C
 from asyncflow_core.errors import EngineError
 from asyncflow_core.interfaces import Algorithm, TrainEngine, TrainFeatures
 from asyncflow_core.types import Batch, RaggedTensor, WeightBucket, pack_buckets
+from asyncflow_plugins.sim.host import SimHostShare, host_for
 from asyncflow_plugins.sim.latency import TrainLatency
 from asyncflow_plugins.sim.policy import token_logprobs
 
@@ -38,6 +39,9 @@ class SimTrainConfig(BaseModel):
     time_scale: float = Field(
         1.0, gt=0, description="Loop seconds per modelled second; < 1 makes runs on a real event loop fast (tests)."
     )
+    machine: SimHostShare | None = Field(
+        None, description="Share a simulated machine's cores with the other sim engines that name the same host "
+        "(processor sharing; docs/simulation.md). None: the trainer has its own devices.")
 
 
 @dataclass
@@ -101,7 +105,11 @@ class SimTrainEngine(TrainEngine):
             raise EngineError("call setup() before using the sim train engine")
 
     async def _spend(self, seconds: float) -> None:
-        await asyncio.sleep(seconds * self.config.time_scale)
+        share = self.config.machine
+        if share is None:
+            await asyncio.sleep(seconds * self.config.time_scale)
+        else:  # the work takes longer while other engines run on the host
+            await host_for(share).spend(seconds, share.demand, self.config.time_scale)
         self.stats.busy_seconds += seconds
 
     def _logprobs(self, batch: Batch) -> RaggedTensor:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.interfaces import Dataset, Reward
 from asyncflow_core.types import PromptRecord, RewardInput
+from asyncflow_plugins.sim.host import SimHostShare, host_for
 
 
 class SimDatasetConfig(BaseModel):
@@ -55,7 +56,11 @@ class SimRewardConfig(BaseModel):
     seed: int = Field(0, description="Seed mixed into each sample's draw.")
     seconds_per_sample: float = Field(
         0.0, ge=0, description="Modelled scoring time per sample, spent once per batch on the loop's clock (a "
-        "verifier's cost; asyncflow sim --calibrate fits it from a real run's reward spans). 0: free.")
+        "verifier's cost, or the driver's per-sample work: asyncflow sim --calibrate charges what a synchronous "
+        "run's engine spans leave unexplained here). 0: free.")
+    machine: SimHostShare | None = Field(
+        None, description="Share a simulated machine's cores with the sim engines that name the same host while "
+        "scoring (processor sharing; docs/simulation.md). None: scoring slows nothing.")
 
 
 class SimReward(Reward):
@@ -80,5 +85,10 @@ class SimReward(Reward):
         return float(u < self.config.p_correct)
 
     async def _score_many(self, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
-        await asyncio.sleep(self.config.seconds_per_sample * len(samples))
+        seconds = self.config.seconds_per_sample * len(samples)
+        share = self.config.machine
+        if share is None:
+            await asyncio.sleep(seconds)
+        else:
+            await host_for(share).spend(seconds, share.demand)
         return [(True, self.score(s)) for s in samples]
