@@ -282,6 +282,9 @@ class KeptSegments:
             segment.close()
         if len(kept) >= self.max_per_bucket or nbytes == 0:
             return None
+        free = shm_free_bytes(self.dir)
+        if free is not None and free < 2 * nbytes:  # keeping one more would leave no room for the next bucket
+            return None
         self._count += 1
         segment = _KeptSegment(self.dir / f"{KEPT_PREFIX}{os.getpid()}-{self._token}-{self._count}", nbytes)
         fcntl.flock(segment.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can have it open yet
@@ -316,8 +319,29 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def shm_free_bytes(directory: Path) -> int | None:
+    """Bytes free in the shared-memory file system at ``directory``; None when it cannot be asked."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def check_shm_room(directory: Path, nbytes: int) -> None:
+    """Refuse in one line a segment the file system has no room for: tmpfs grants the size at once and then kills
+    the writer with SIGBUS on the first page past its limit."""
+    free = shm_free_bytes(directory)
+    if free is not None and free < nbytes:
+        raise RuntimeError(
+            f"{directory} has {free / 2**20:.0f} MiB free but a weight bucket needs {nbytes / 2**20:.0f} MiB: "
+            "give this host more shared memory (a container's default is often 64 MiB: docker run --shm-size=16g) "
+            "or stop what fills it")
+
+
 def _fresh_segment(path: Path, nbytes: int) -> torch.Tensor:
     """A new segment file the driver owns (it maps and unlinks it): a writable view of it."""
+    check_shm_room(path.parent, nbytes)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, max(nbytes, 1))
@@ -493,5 +517,5 @@ class RankWorkerBase:
 
 
 __all__ = ["DTYPES", "EMPTY_PASS", "FRESH_PREFIX", "KEPT_PREFIX", "SHM_DIR", "TOKENIZER_FILES", "KeptSegments",
-           "RankWorkerBase", "aligned", "load_algorithm", "loopback_interface", "plan_chunks", "rank_device", "serve",
-           "to_shared_memory"]
+           "RankWorkerBase", "aligned", "check_shm_room", "load_algorithm", "loopback_interface", "plan_chunks",
+           "rank_device", "serve", "shm_free_bytes", "to_shared_memory"]
