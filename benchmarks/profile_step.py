@@ -48,16 +48,22 @@ in the outer one.
 
 Peak RSS per process is ``VmHWM`` from ``/proc``: the driver's own, and
 every descendant's (rank processes, the forkserver), found by walking
-``/proc/*/stat`` parent ids while the run is on.
+``/proc/*/stat`` parent ids while the run is on. ``cpu_s_per_step`` is
+each of those processes' CPU seconds (user + system, ``/proc/PID/stat``,
+read every 0.2 s and interpolated) over the measured steps, per step: what
+each side costs, which on a shared machine is steadier than its wall time.
 
 ``--rank-step`` measures one thing only, the least noisy on a shared
 machine: the **CPU time** of one world-1 ``fsdp`` rank's train step, run in
 this process (no driver, no generation beside it), on the example's model
-and a batch of its shape (256 rows, 4 prompt + 2-3 response tokens, one
-micro-batch, one torch thread), under each ``shard`` setting (``always``:
-FSDP2 at world 1, as before ``auto`` existed; ``auto``: the plain model).
-Each repetition sets a rank up per setting, in turn, and takes the median
-of 10 steps after 2 warm-up steps.
+and a batch of its shape (32 prompts of 4 tokens x 8 responses of 2-3
+tokens, one micro-batch, one torch thread), per :data:`RANK_SETTINGS`
+(``always``: FSDP2 at world 1, as before ``shard: auto`` existed;
+``auto``: the plain model on the padded rectangle; ``auto+shared``: the
+default, each prompt once (``share_prompts``); ``floor``: no rank, a plain
+Hugging Face forward + backward + AdamW step of the same model on the
+same rectangle). Each repetition runs every setting in turn and takes the
+median of 10 steps after 2 warm-up steps.
 
 ``--logprob-stages`` adds ``algorithm.options.correction=decoupled`` and
 ``kl_coef=0.001`` so the ``old`` and ``ref`` log-prob stages run (the
@@ -172,13 +178,39 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _cpu_s(pid: int | str) -> float | None:
+    """User + system CPU seconds of a process so far (``/proc/PID/stat`` fields 14 and 15)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """CPU seconds a process used between two instants, interpolated between its (time, CPU seconds) samples."""
+    if len(samples) < 2 or start < samples[0][0] or end > samples[-1][0]:
+        return None
+
+    def at(t: float) -> float:
+        for (t0, c0), (t1, c1) in zip(samples, samples[1:]):
+            if t0 <= t <= t1:
+                return c0 + (c1 - c0) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
+        return samples[-1][1]
+
+    return at(end) - at(start)
+
+
 class _RssSampler:
-    """Polls the peak RSS (VmHWM) of this process's descendants; a process's last reading is its peak."""
+    """Polls the peak RSS (VmHWM) of this process's descendants (a process's last reading is its peak), and the CPU
+    seconds of this process and each descendant over time (``time.monotonic``, the timeline's clock)."""
 
     def __init__(self, interval_s: float = 0.2) -> None:
         self.interval_s = interval_s
         self.peak_kb: dict[int, int] = {}
         self.label: dict[int, str] = {}
+        self.cpu: dict[int, list[tuple[float, float]]] = defaultdict(list)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -196,7 +228,13 @@ class _RssSampler:
             self.sample()
 
     def sample(self) -> None:
-        for pid in _children_of(os.getpid()):
+        now = time.monotonic()
+        for pid in (os.getpid(), *_children_of(os.getpid())):
+            cpu = _cpu_s(pid)
+            if cpu is not None:
+                self.cpu[pid].append((now, cpu))
+            if pid == os.getpid():
+                continue
             kb = _status_kb(pid, "VmHWM")
             if kb is None:
                 continue
@@ -549,11 +587,22 @@ def profile_size(size: str, *, steps: int, warmup: int, cooldown: int, checkpoin
     for rec in ranks:
         rss.peak_kb[rec["pid"]] = max(rss.peak_kb.get(rec["pid"], 0), rec.get("vmhwm_kb") or 0)
     labels: dict[str, int] = defaultdict(int)
+    keys = {os.getpid(): "driver"}
     for pid, kb in sorted(rss.peak_kb.items()):
         label = f"rank{rank_pids[pid]}" if pid in rank_pids else rss.label.get(pid, "child")
         labels[label] += 1
         key = label if labels[label] == 1 else f"{label}#{labels[label]}"
         peak[key] = kb / 1024
+        keys[pid] = key
+    # CPU seconds per measured step of each process (the window from the first measured step's start to the last's
+    # end, interpolated between the sampler's readings): what each process costs, whatever else shares the cores
+    window_end = timeline.t0 + measured[-1]["time_s"]
+    window_start = timeline.t0 + measured[0]["time_s"] - measured[0]["step_seconds"]
+    cpu_per_step = {}
+    for pid, key in keys.items():
+        used = _cpu_between(rss.cpu.get(pid, []), window_start, window_end)
+        if used is not None and used > 0:
+            cpu_per_step[key] = used / n
     rank_ops: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "seconds": 0.0, "recv_mb": 0.0})
     for rec in ranks:
         o = rank_ops[rec["op"]]
@@ -575,6 +624,7 @@ def profile_size(size: str, *, steps: int, warmup: int, cooldown: int, checkpoin
         "busy_s": {p: sum(s["busy_s"][p] for s in per_step) / n for p in PHASES[:-1]},
         "steps": per_step,
         "peak_rss_mb": peak,
+        "cpu_s_per_step": cpu_per_step,
         "rank_ops": dict(rank_ops),
         "utilisation": summary.get("utilisation"),
         "wall_s": wall,
@@ -616,56 +666,112 @@ def stacked_png(results: list[dict[str, Any]], path: Path) -> Path:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    head = ["size", "params", "s/step", "samples/s", *PHASES, "peak RSS MB"]
+    head = ["size", "params", "s/step", "samples/s", *PHASES, "CPU s/step", "peak RSS MB"]
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in results:
         rss = ", ".join(f"{k} {v:.0f}" for k, v in r["peak_rss_mb"].items())
+        cpu = ", ".join(f"{k} {v:.3f}" for k, v in r.get("cpu_s_per_step", {}).items())
         lines.append(" | ".join([r["size"], f'{r["params"] / 1e6:.3g}M', f'{r["step_s"]:.3f}',
-                                 f'{r["samples_per_s"]:.1f}', *(f'{r["phases_s"][p]:.3f}' for p in PHASES), rss]))
+                                 f'{r["samples_per_s"]:.1f}', *(f'{r["phases_s"][p]:.3f}' for p in PHASES), cpu,
+                                 rss]))
     return "\n".join(lines)
 
 
-def rank_step(repeats: int) -> dict[str, Any]:
-    """CPU seconds of a world-1 rank's train step per ``shard`` setting (see the module docstring)."""
+#: --rank-step settings: the rank's options on top of the example's (None: the floor, no rank at all)
+RANK_SETTINGS: dict[str, dict[str, Any] | None] = {
+    "always": {"shard": "always", "share_prompts": False},  # FSDP2 at world 1 (before shard: auto)
+    "auto": {"shard": "auto", "share_prompts": False},  # the plain model, one padded rectangle (before sharing)
+    "auto+shared": {"shard": "auto", "share_prompts": True},  # the default: each prompt once per micro-batch
+    "floor": None,  # a plain HF forward + backward + AdamW step on the rectangle, in this process
+}
+
+
+def _rank_batch(example: dict[str, Any]) -> Any:
+    """One step's rows of the example's shape: prompts_per_step prompts of 4 tokens, n samples each of 2-3 tokens."""
     import torch
-    import yaml
 
     from asyncflow_core import columns as C
     from asyncflow_core.types import Batch, RaggedTensor
+
+    gen = torch.Generator().manual_seed(0)
+    n = example["rollout"]["n"]
+    rows = example["data"]["prompts_per_step"] * n
+    vocab = example["model"]["hf_config"]["vocab_size"]
+    distinct = [torch.randint(0, vocab, (4,), generator=gen) for _ in range(rows // n)]
+    prompts = RaggedTensor.from_sequences([distinct[i // n] for i in range(rows)])
+    responses = RaggedTensor.from_sequences(
+        [torch.randint(0, vocab, (int(torch.randint(2, 4, (1,), generator=gen)),), generator=gen) for _ in range(rows)])
+    advantages = torch.repeat_interleave(torch.randn(rows, generator=gen), responses.lengths)
+    return Batch({C.PROMPT_IDS: prompts, C.RESPONSE_IDS: responses,
+                  C.ADVANTAGES: RaggedTensor(advantages, responses.offsets),
+                  C.BEHAVIOR_LOGPROBS: RaggedTensor(-torch.rand(responses.numel_packed, generator=gen),
+                                                    responses.offsets)})
+
+
+def _floor_step(example: dict[str, Any], batch: Any) -> Any:
+    """The least a train step of this batch can cost: the example's model, a plain HF forward over the padded
+    rectangle, log-softmax at the response tokens, an advantage-weighted token mean, backward, clipping, AdamW."""
+    import torch
+
+    from asyncflow_core import columns as C
+    from asyncflow_core.config.models import ModelConfig
+    from asyncflow_fsdp.forward import layout
+    from asyncflow_plugins.hf.model import build_causal_lm
+
+    model = build_causal_lm(ModelConfig.model_validate(example["model"]), seed=0).float()
+    opts = example["trainer"]["options"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opts["lr"])
+    lay = layout(batch[C.PROMPT_IDS], batch[C.RESPONSE_IDS])
+    adv = batch[C.ADVANTAGES].values
+
+    def step() -> None:
+        logits = model(input_ids=lay.input_ids, use_cache=False).logits
+        logp = torch.log_softmax(logits[lay.row, lay.position].float(), -1).gather(1, lay.targets[:, None])
+        (-(logp.squeeze(1) * adv).mean()).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def rank_step(repeats: int) -> dict[str, Any]:
+    """CPU seconds of a world-1 rank's train step per setting of :data:`RANK_SETTINGS` (see the module docstring)."""
+    import torch
+    import yaml
+
     from asyncflow_fsdp.testing import local_rank, train_payload
     from asyncflow_plugins.algorithms import GRPO, GRPOConfig
 
     torch.set_num_threads(1)
     example = yaml.safe_load(EXAMPLE.read_text())
-    gen = torch.Generator().manual_seed(0)
-    rows = example["data"]["prompts_per_step"] * example["rollout"]["n"]
-    vocab = example["model"]["hf_config"]["vocab_size"]
-    prompts = RaggedTensor.from_sequences([torch.randint(0, vocab, (4,), generator=gen) for _ in range(rows)])
-    responses = RaggedTensor.from_sequences(
-        [torch.randint(0, vocab, (int(torch.randint(2, 4, (1,), generator=gen)),), generator=gen) for _ in range(rows)])
-    advantages = torch.repeat_interleave(torch.randn(rows, generator=gen), responses.lengths)
-    batch = Batch({C.PROMPT_IDS: prompts, C.RESPONSE_IDS: responses,
-                   C.ADVANTAGES: RaggedTensor(advantages, responses.offsets),
-                   C.BEHAVIOR_LOGPROBS: RaggedTensor(-torch.rand(responses.numel_packed, generator=gen),
-                                                     responses.offsets)})
+    batch = _rank_batch(example)
     algorithm = GRPO(GRPOConfig(**example["algorithm"]["options"]))
     payload = train_payload(batch, algorithm)
     options = {"model": example["model"], **example["trainer"]["options"], "device": "cpu", "cpu_threads_per_rank": 1}
-    medians: dict[str, list[float]] = {"always": [], "auto": []}
+    medians: dict[str, list[float]] = {k: [] for k in RANK_SETTINGS}
+
+    def median_cpu(step: Any) -> float:
+        for _ in range(2):
+            step()
+        cpu = []
+        for _ in range(10):
+            t = time.process_time()
+            step()
+            cpu.append(time.process_time() - t)
+        return sorted(cpu)[len(cpu) // 2]
+
     for _ in range(repeats):
-        for shard, out in medians.items():
-            with local_rank({**options, "shard": shard}) as worker:
-                for _ in range(2):
-                    worker.op_train(payload)
-                cpu = []
-                for _ in range(10):
-                    t = time.process_time()
-                    worker.op_train(payload)
-                    cpu.append(time.process_time() - t)
-            out.append(sorted(cpu)[len(cpu) // 2])
+        for name, setting in RANK_SETTINGS.items():
+            if setting is None:
+                medians[name].append(median_cpu(_floor_step(example, batch)))
+                continue
+            with local_rank({**options, **setting}) as worker:
+                medians[name].append(median_cpu(lambda w=worker: w.op_train(payload)))
+    prompts, responses = batch["prompt_ids"], batch["response_ids"]
     return {"rank_step_cpu_s": {k: {"median": sorted(v)[len(v) // 2], "min": min(v), "repeats": v}
-                                for k, v in medians.items()}, "rows": rows, "tokens": int(
-                                    prompts.numel_packed + responses.numel_packed)}
+                                for k, v in medians.items()}, "rows": batch.num_rows,
+            "tokens": int(prompts.numel_packed + responses.numel_packed)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -680,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--png", type=Path, default=None, help="write the stacked-bar chart of the split here")
     p.add_argument("--rank-step", action="store_true",
-                   help="only the CPU time of a world-1 rank's train step, shard: always vs auto (see the docstring)")
+                   help="only the CPU time of a world-1 rank's train step per setting, and the floor (docstring)")
     p.add_argument("--repeats", type=int, default=4, help="--rank-step: interleaved repetitions per setting")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: profile one size in this process
     p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every size")
@@ -694,10 +800,10 @@ def main(argv: list[str] | None = None) -> int:
         if a.json:
             print(json.dumps(res))
         else:
-            print("shard | CPU ms per train step (median of repeats) | min")
+            print("setting | CPU ms per train step (median of repeats) | min")
             print("--- | --- | ---")
-            for shard, r in res["rank_step_cpu_s"].items():
-                print(f"{shard} | {r['median'] * 1e3:.1f} | {r['min'] * 1e3:.1f}")
+            for name, r in res["rank_step_cpu_s"].items():
+                print(f"{name} | {r['median'] * 1e3:.1f} | {r['min'] * 1e3:.1f}")
         return 0
     if a.one is not None:
         res = profile_size(a.one, steps=a.steps, warmup=a.warmup, cooldown=a.cooldown,

@@ -64,6 +64,11 @@ class FSDPTrainConfig(BaseModel):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one micro-batch per rank: rows x longest row (prompt + response)."
     )
+    share_prompts: bool = Field(
+        True, description="Rows of a micro-batch with the same prompt (a GRPO group) run the prompt once: one "
+        "sequence per prompt with a 4-D attention mask (llama, qwen2, qwen3, mistral with sdpa or eager attention; "
+        "others, or when it is not smaller, the padded rectangle). Same log-probs and gradients up to rounding."
+    )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (less memory).")
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after each forward.")
     mixed_precision: Literal["bfloat16", "float32"] = Field(

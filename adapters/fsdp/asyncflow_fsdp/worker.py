@@ -50,7 +50,7 @@ from asyncflow_core.launchers.rank_worker import (
 from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_core.types.adapter import adapter_state_dict, wrap
 from asyncflow_fsdp.config import FSDPTrainConfig
-from asyncflow_fsdp.forward import layout, score
+from asyncflow_fsdp.forward import PromptSharing, layout, prompt_sharing, score
 from asyncflow_fsdp.init import materialize_from_rank0, meta_skeleton
 from asyncflow_plugins.hf.model import build_causal_lm
 
@@ -74,6 +74,7 @@ class RankWorker(RankWorkerBase):
         self.optimizer: torch.optim.Optimizer | None = None
         self._fsdp: list[FSDPModule] = []
         self._keep_logits = True
+        self._sharing: PromptSharing | None = None  # shared-prompt layouts (forward.layout); None: never
         self._architecture = ""
         self._export_chunks: list[list[tuple[str, torch.Tensor]]] = []
         self._version = 0  # optimizer steps taken (the driver's version): export sends the adapter only after 0
@@ -121,6 +122,7 @@ class RankWorker(RankWorkerBase):
             net, source = source, None
         self._architecture = type(net).__name__
         self._keep_logits = "logits_to_keep" in inspect.signature(net.forward).parameters
+        self._sharing = prompt_sharing(net) if c.share_prompts else None
         if c.gradient_checkpointing:
             net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if c.lora is not None:
@@ -182,7 +184,8 @@ class RankWorker(RankWorkerBase):
         c = self.config
         assert self.model is not None
         return score(
-            self.model, layout(mb["prompt_ids"], mb["response_ids"]), device=self.device,
+            self.model, layout(mb["prompt_ids"], mb["response_ids"], sharing=self._sharing),
+            device=self.device,
             temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
             value_head=self.value_head if with_values else None, keep_logits_supported=self._keep_logits,
         )

@@ -319,3 +319,197 @@ def test_layout_places_every_token_and_locates_every_scored_logit(shape):
             assert int(lay.input_ids[i, p + j - 1]) == int(full[p + j - 1])  # the token that predicts it
             k += 1
     assert k == lay.targets.numel() == sum(r for _, r in shape)
+
+
+# ------------------------------------------------------------------ shared prompts (one sequence per prompt)
+
+#: TINY_QWEN2's sizes as a llama (the example's architecture) with wider initial weights, so the logits differ
+#: from uniform and a token that saw the wrong keys or positions would show
+TINY_LLAMA = dict(TINY_QWEN2, model_type="llama", initializer_range=0.2)
+
+
+def _sharing_model(kind: str, attention: str = "sdpa") -> torch.nn.Module:
+    hf = dict(TINY_LLAMA) if kind == "llama" else dict(TINY_QWEN2, initializer_range=0.2)
+    net = build_causal_lm(ModelConfig(hf_config=hf), seed=0).float().eval()
+    net.config._attn_implementation = attention  # what from_config(attn_implementation=...) sets
+    return net
+
+
+def group_rows(seed: int, groups: int = 3, n: int = 4) -> tuple[RaggedTensor, RaggedTensor]:
+    """``groups`` prompts (lengths 1-4) with ``n`` responses each (lengths 0-6), plus one row with a prompt of its
+    own, rows of a group not adjacent (the sampler need not keep them together)."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (1 + (g + seed) % 4,), generator=gen) for g in range(groups)]
+    order = torch.randperm(groups * n, generator=gen).tolist()
+    p = [prompts[i % groups] for i in order] + [torch.randint(0, VOCAB, (3,), generator=gen)]
+    r = [torch.randint(0, VOCAB, (int(torch.randint(0, 7, (1,), generator=gen)),), generator=gen) for _ in p]
+    return RaggedTensor.from_sequences(p), RaggedTensor.from_sequences(r)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), min_size=2, max_size=16),
+       st.lists(st.integers(1, 4), min_size=4, max_size=4))
+def test_shared_layout_shows_each_scored_position_exactly_its_rectangle_prefix(rows_spec, prompt_lengths):
+    """Model-free oracle. Rows pick one of four prompts; for every response token, the position that predicts it
+    sees (mask) exactly the (token id, position id) pairs its rectangle row holds up to that position, and is
+    itself the token at the end of that prefix (so no padding and no other row's token is seen); the targets are
+    unchanged; every query sees at least itself."""
+    prompts = [torch.arange(n, dtype=torch.int64) + 10 * k + 1 for k, n in enumerate(prompt_lengths)]
+    p_rows = [prompts[k] for k, _ in rows_spec]
+    r_rows = [torch.arange(r, dtype=torch.int64) + 100 * (i + 1) for i, (_, r) in enumerate(rows_spec)]
+    pr, rr = RaggedTensor.from_sequences(p_rows), RaggedTensor.from_sequences(r_rows)
+    width = max(max(int(p.numel()) + int(r.numel()) for p, r in zip(p_rows, r_rows, strict=True)) - 1, 1)
+    lay = forward.shared_layout(pr, rr, width=width, token_cost=10**6)  # price tokens only: share when fewer
+    if lay is None:  # no prompt repeats, or the shared sequences would not be cheaper
+        return
+    assert lay.position_ids is not None and lay.attention_mask is not None
+    mask = lay.attention_mask[:, 0]
+    k = 0
+    for i, (p, r) in enumerate(zip(p_rows, r_rows, strict=True)):
+        full = torch.cat([p, r])
+        for j in range(r.numel()):
+            s, col = int(lay.row[k]), int(lay.position[k])
+            assert int(lay.keep[lay.column[k]]) == col and int(lay.targets[k]) == int(r[j])
+            seen = mask[s, col].nonzero().squeeze(1)
+            got = sorted(zip(lay.position_ids[s, seen].tolist(), lay.input_ids[s, seen].tolist(), strict=True))
+            want = list(enumerate(full[: p.numel() + j].tolist()))
+            assert got == want, (i, j)
+            assert int(lay.position_ids[s, col]) == p.numel() + j - 1  # the position it has in the rectangle
+            k += 1
+    assert k == lay.targets.numel()
+    real = mask.any(dim=1)  # every query sees at least itself: no fully masked row
+    assert bool(real.all())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompts_give_the_rectangles_logprobs_and_gradients(kind, attention):
+    """Rows of three prompts (and one row alone), in the shared layout and in the rectangle: the same log-probs and
+    gradients up to float32 rounding through the forward (as for the oracle above), under each convention."""
+    net = _sharing_model(kind, attention)
+    sharing = forward.prompt_sharing(net)
+    assert sharing is not None
+    prompts, responses = group_rows(seed=7)
+    shared, rect = layout(prompts, responses, sharing=sharing), layout(prompts, responses)
+    assert shared.attention_mask is not None and shared.input_ids.shape[0] == 4  # 3 prompts + the lone row
+    assert shared.input_ids.numel() < rect.input_ids.numel()
+    for convention in CONVENTIONS:
+        weights = torch.linspace(-1.0, 1.0, rect.targets.numel())
+        want_lp, want_grads = run(net, rect, convention, None, weights)
+        lp, grads = run(net, shared, convention, None, weights)
+        finite = torch.isfinite(want_lp)
+        assert torch.equal(torch.isfinite(lp), finite), convention  # top-k/top-p cut the same tokens
+        assert bool(finite.all()) or convention[1:] != (1.0, -1), convention
+        if finite.any():
+            tol = rounding_tol(FORWARD_TERMS, float(want_lp[finite].abs().max()))
+            assert float((lp[finite] - want_lp[finite]).abs().max()) <= tol, convention
+        assert set(grads) == set(want_grads)
+        terms = 2 * FORWARD_TERMS + rect.targets.numel()
+        for name, g in want_grads.items():
+            assert float((grads[name] - g).abs().max()) <= rounding_tol(terms, float(g.abs().max())), (convention, name)
+    head = torch.nn.Linear(HIDDEN, 1)  # values read the hidden state at each predicting position, in either layout
+    with torch.no_grad():
+        _, want_v = score(net, rect, device=CPU, temperature=1.0, top_p=1.0, top_k=-1, value_head=head)
+        _, got_v = score(net, shared, device=CPU, temperature=1.0, top_p=1.0, top_k=-1, value_head=head)
+        hidden = net.get_decoder()(input_ids=rect.input_ids, use_cache=False).last_hidden_state
+        magnitude = float((hidden.abs() @ head.weight.abs().T).max() + head.bias.abs().max())  # bounds |w.h + b|
+    assert want_v is not None and got_v is not None
+    assert float((got_v - want_v).abs().max()) <= rounding_tol(FORWARD_TERMS, magnitude)
+
+
+def test_a_response_never_sees_another_rows_tokens():
+    """Changing one row's response leaves every other row's log-probs bit for bit: the mask lets no row see another
+    row's tokens (masked keys weigh exactly zero), where the prompt alone is shared."""
+    net = _sharing_model("llama")
+    sharing = forward.prompt_sharing(net)
+    prompts, responses = group_rows(seed=8)
+    lengths = responses.lengths
+    victim = int(torch.nonzero(lengths >= 3)[0])
+    changed = [r.clone() for r in responses]
+    changed[victim][:-1] = (changed[victim][:-1] + 5) % VOCAB  # every token but the last (which predicts nothing)
+    kw = {"device": CPU, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    with torch.no_grad():
+        a, _ = score(net, layout(prompts, responses, sharing=sharing), **kw)
+        b, _ = score(net, layout(prompts, RaggedTensor.from_sequences(changed), sharing=sharing), **kw)
+    row = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    others = row != victim
+    assert torch.equal(a[others], b[others])
+    assert not torch.equal(a[~others][1:], b[~others][1:])  # the changed row itself did see its own tokens
+
+
+def test_prompt_sharing_is_offered_only_where_the_mask_and_positions_are_honoured():
+    """Known model types with sdpa or eager attention only; a sliding window caps the width; the layout falls back
+    to the rectangle when no prompt repeats or the rectangle is wider than the cap."""
+    assert forward.prompt_sharing(_sharing_model("llama", "flash_attention_2")) is None
+    gpt2 = build_causal_lm(ModelConfig(hf_config={"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2,
+                                                  "vocab_size": VOCAB, "n_positions": 32}), seed=0)
+    assert forward.prompt_sharing(gpt2) is None
+    windowed = build_causal_lm(ModelConfig(hf_config=dict(TINY_QWEN2, model_type="mistral", sliding_window=4)), seed=0)
+    sharing = forward.prompt_sharing(windowed)
+    assert sharing is not None and sharing.max_width == 4
+    prompts, responses = group_rows(seed=9)
+    assert layout(prompts, responses, sharing=sharing).attention_mask is None  # rows wider than the window
+    plain = forward.prompt_sharing(_sharing_model("qwen2"))
+    assert plain is not None and plain.max_width > 10**6
+    alone = RaggedTensor.from_sequences([[1, 2], [3, 4], [5]])
+    assert layout(alone, RaggedTensor.from_sequences([[1, 2], [3], [4, 5]]), sharing=plain).attention_mask is None
+
+
+def test_a_rank_trains_the_same_step_with_and_without_shared_prompts():
+    """A world-1 rank (plain model) on rows of shared prompts: log-probs, the loss, the token count and the clipped
+    gradients the optimizer steps on are those of ``share_prompts: false``, up to float32 rounding (the clip's
+    scale differs only by the norm's own rounding: twice the gradients' bound)."""
+    from asyncflow_fsdp.testing import train_payload
+    from asyncflow_plugins.algorithms import GRPO, GRPOConfig
+
+    prompts, responses = group_rows(seed=10)
+    gen = torch.Generator().manual_seed(0)
+    adv = torch.randn(int(responses.numel_packed), generator=gen)
+    batch = Batch({C.PROMPT_IDS: prompts, C.RESPONSE_IDS: responses, C.ADVANTAGES: RaggedTensor(adv, responses.offsets),
+                   C.BEHAVIOR_LOGPROBS: RaggedTensor(-torch.rand(adv.numel(), generator=gen), responses.offsets)})
+    algorithm = GRPO(GRPOConfig(entropy_coef=0.02))
+    out = {}
+    for share in (True, False):
+        opts = tiny_options(model={"hf_config": dict(TINY_LLAMA)}, share_prompts=share)
+        with local_rank(opts) as worker:
+            assert (worker._sharing is not None) is share
+            lp, _ = worker._score(batch, with_values=False)
+            stepped: dict[str, torch.Tensor] = {}
+            named = {p: n for n, p in worker.model.named_parameters()}
+            worker.optimizer.register_step_pre_hook(lambda opt, *_: stepped.update(
+                {named[p]: p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None}))
+            metrics = worker.op_train(train_payload(batch, algorithm))
+            out[share] = lp.detach(), metrics, stepped
+    (lp1, m1, g1), (lp0, m0, g0) = out[True], out[False]
+    assert torch.allclose(lp1, lp0, rtol=0, atol=rounding_tol(FORWARD_TERMS, float(lp0.abs().max())))
+    assert m1["tokens"] == m0["tokens"] and m1["stepped"] and m0["stepped"]
+    assert math.isclose(m1["loss_sum"], m0["loss_sum"], rel_tol=0,
+                        abs_tol=rounding_tol(FORWARD_TERMS, float(lp0.abs().max())))
+    assert g0 and set(g1) == set(g0)
+    terms = 2 * FORWARD_TERMS + lp0.numel()
+    for name, g in g0.items():
+        assert float((g1[name] - g).abs().max()) <= 2 * rounding_tol(terms, float(g.abs().max())), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prompts_on_cuda_give_the_rectangles_logprobs(dtype):
+    """On CUDA (sdpa's CUDA kernels with a boolean 4-D mask; fixed by reading upstream transformers 5.24 and torch
+    2.13, never run): the shared layout scores as the rectangle, in float32 within the forward's rounding and in
+    bfloat16 within bf16's error through the layers."""
+    device = torch.device("cuda")
+    net = _sharing_model("llama").to(device=device, dtype=dtype)
+    prompts, responses = group_rows(seed=11)
+    sharing = forward.prompt_sharing(net)
+    shared, rect = layout(prompts, responses, sharing=sharing), layout(prompts, responses)
+    assert shared.attention_mask is not None
+    kw = {"device": device, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    with torch.no_grad():
+        want, _ = score(net, rect, **kw)
+        got, _ = score(net, shared, **kw)
+        largest = float(net(input_ids=rect.input_ids.to(device)).logits.float().abs().max())
+    if dtype == torch.float32:
+        tol = rounding_tol(FORWARD_TERMS, float(want.abs().max()))
+    else:
+        tol = 2 * bf16_relative_error(LAYERS) * largest
+    assert float((got - want).abs().max()) <= tol
