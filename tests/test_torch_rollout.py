@@ -128,6 +128,37 @@ def test_logprobs_match_a_full_forward_under_temperature_top_p_top_k():
         assert_teacher_forced(net, res, params)
 
 
+def test_samples_of_one_prompt_share_one_prefill_row_and_keep_their_own_log_probs():
+    """A group's n samples of one prompt prefill as one row (their cache rows copied), and each still samples on
+    its own: every log-prob matches teacher forcing, and the samples are not all alike."""
+    sampling = {"temperature": 1.0, "max_new_tokens": 8}
+    net = reference()
+    widths: list[int] = []
+
+    async def body():
+        engine = await started(max_batch=16)
+        forward = engine._forward
+
+        def spy(ids, mask, positions, cache):
+            if cache.get_seq_length() == 0:  # a prefill (decode steps carry the cache)
+                widths.append(ids.shape[0])
+            return forward(ids, mask, positions, cache)
+
+        engine._forward = spy
+        try:
+            reqs = [request(f"a{i}", prompt=(5, 6, 7), **sampling) for i in range(8)]
+            reqs += [request(f"b{i}", prompt=(9, 1), **sampling) for i in range(4)]
+            return await collect(engine.generate(reqs))
+        finally:
+            await engine.shutdown()
+
+    results = run(body())
+    assert widths == [2]  # 12 requests, 2 distinct prompts: one prefill of 2 rows
+    assert len({tuple(r.token_ids) for r in results if r.request_id.startswith("a")}) > 1
+    for res in results:
+        assert_teacher_forced(net, res, SamplingParams(**sampling))
+
+
 def test_resume_from_prefix_continues_after_it():
     """A request carrying an aborted attempt's tokens returns them and continues on the same distribution."""
     net = reference()

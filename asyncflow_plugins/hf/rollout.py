@@ -648,15 +648,24 @@ class TorchRolloutEngine(RolloutEngine):
         from transformers import DynamicCache
 
         contexts = [(*s.request.prompt_token_ids, *s.tokens) for s in seqs]
-        width = max(map(len, contexts))
-        ids = torch.zeros(len(seqs), width, dtype=torch.long)
-        mask = torch.zeros(len(seqs), width, dtype=torch.long)
-        for i, ctx in enumerate(contexts):  # left padding: every row ends in the last column
+        # the n samples of a prompt share their context: prefill each distinct context once, then give every row
+        # its own copy of that context's logits and cache rows (a GRPO step's prefill runs 1/n of the rows)
+        first: dict[tuple[int, ...], int] = {}
+        slot = [first.setdefault(ctx, len(first)) for ctx in contexts]
+        unique = list(first)
+        width = max(map(len, unique))
+        ids = torch.zeros(len(unique), width, dtype=torch.long)
+        mask = torch.zeros(len(unique), width, dtype=torch.long)
+        for i, ctx in enumerate(unique):  # left padding: every row ends in the last column
             ids[i, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
             mask[i, width - len(ctx) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         logits, kv = self._forward(ids, mask, positions, DynamicCache())
+        if len(unique) < len(seqs):
+            index = torch.tensor(slot, device=mask.device)
+            logits, mask = logits.index_select(0, index), mask.index_select(0, index)
+            kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
         lengths = mask.sum(dim=1)
         # the pending token of a prefilled row is the one sampled now, at position len(context)
         return _Batch(list(seqs), kv, mask, lengths), logits
