@@ -8,6 +8,10 @@ simulated over the same steps; or reads an earlier one from ``--full-json``, whi
 with ``--save-full``) and reports: the plan's wall time, its pick, the pick's samples/s against the
 sweep's best (simulations are deterministic, so the pick's value is the same in both), and the pick's
 rank in the sweep. The machine is shared: wall times are one run's.
+
+Both run with cut-offs unless ``--no-cutoff`` (``asyncflow plan --cutoff``): the sweep's best is never cut
+off, so the ratio is exact; a sweep row cut off holds an upper bound, and when such a bound lies above the
+pick's rate the rank printed is the worst the pick can have (``pick_rank_exact`` false).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-json", type=Path, default=None, help="an earlier full sweep (plan.json of --full)")
     p.add_argument("--save-full", type=Path, default=None, help="write the full sweep here")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-cutoff", dest="cutoff", action="store_false", help="simulate every step of every run")
     a = p.parse_args(argv)
-    space = {"devices": a.devices, "max_k": a.max_staleness, "measured_steps": a.steps, "progress": False}
+    space = {"devices": a.devices, "max_k": a.max_staleness, "measured_steps": a.steps, "progress": False,
+             "cutoff": a.cutoff}
     plan = run_plan(a.config, **space)
     if a.full_json is not None:
         full = json.loads(a.full_json.read_text())
@@ -42,16 +48,20 @@ def main(argv: list[str] | None = None) -> int:
         full = asdict(run_plan(a.config, full=True, **space))
         if a.save_full is not None:
             a.save_full.write_text(json.dumps(full, default=str))
-    by_label = {r["label"]: r for r in full["rows"]}
     best = max(full["rows"], key=lambda r: r["samples_per_s"])
-    pick = by_label[plan.chosen["label"]]
-    rank = sorted(full["rows"], key=lambda r: -r["samples_per_s"]).index(pick) + 1
+    assert not best.get("cut_off"), "a sweep's best row is never cut off"
+    rate = plan.chosen["samples_per_s"]  # the pick's row in the plan: a finalist, never cut off
+    above = [r for r in full["rows"] if r["label"] != plan.chosen["label"] and r["samples_per_s"] > rate]
+    rank = len(above) + 1
     out = {
         "devices": a.devices, "candidates": plan.candidates, "plan_simulations": plan.simulated,
         "plan_wall_s": plan.wall_s, "full_wall_s": full["wall_s"],
-        "pick": plan.chosen["label"], "pick_samples_per_s": pick["samples_per_s"],
+        "pick": plan.chosen["label"], "pick_samples_per_s": rate,
         "best": best["label"], "best_samples_per_s": best["samples_per_s"],
-        "pick_vs_best": pick["samples_per_s"] / best["samples_per_s"], "pick_rank_in_sweep": rank,
+        "pick_vs_best": rate / best["samples_per_s"], "pick_rank_in_sweep": rank,
+        "pick_rank_exact": not any(r.get("cut_off") for r in above),
+        "cutoff": a.cutoff, "plan_cut_off": sum(bool(r.get("cut_off")) for r in plan.rows),
+        "full_cut_off": sum(bool(r.get("cut_off")) for r in full["rows"]),
     }
     if a.json:
         print(json.dumps(out))

@@ -153,3 +153,67 @@ def test_simulations_start_longest_first_and_rows_come_back_in_the_order_asked()
     order = longest_first(cands, 3)
     assert order == [cands[1], cands[2], cands[3], cands[0]]  # k = 2 (6 steps) first, 24 replicas before 3
     assert len(order) == len(set(order))  # a candidate asked twice is simulated once
+
+
+def test_a_simulation_cut_off_below_its_floor_holds_a_bound_between_its_rate_and_the_floor():
+    """The cut-off only stops a run: a floor it clears changes no field, one it misses cuts it below the floor."""
+    from asyncflow_core.cli.plan import simulate
+    from asyncflow_core.config.loader import read_yaml
+
+    raw, cand = read_yaml(EXAMPLE), Candidate(1, False, 8, 16, 8)
+    plain = simulate(raw, SMALL, cand, 1)
+    rate = plain["samples_per_s"]
+    assert not plain["cut_off"] and rate > 0
+
+    def same(a: dict, b: dict) -> bool:
+        return {k: v for k, v in a.items() if k != "wall_s"} == {k: v for k, v in b.items() if k != "wall_s"}
+
+    assert same(simulate(raw, SMALL, cand, 1, floor=rate * 0.999), plain)  # cleared: every field as without
+    cut = simulate(raw, SMALL, cand, 1, floor=rate * 1.5)
+    assert cut["cut_off"] and rate < cut["samples_per_s"] < rate * 1.5
+    assert cut["sim_seconds"] < plain["sim_seconds"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cut_offs_change_no_finalist_and_no_pick(monkeypatch, seed):
+    """The screened search over made-up rates, with and without cut-offs (two worker threads, so any order)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncflow_core.cli import plan as P
+
+    space = {"devices": 64, "node_size": 8, "max_k": 4, "replicas_per_node": (1, 2, 4, 8)}
+    every = candidates(**space)
+    rng = random.Random(seed)
+    screen = {c: rng.uniform(10, 100) for c in every}
+    measured = {c: screen[c] * rng.uniform(0.8, 1.2) for c in every}
+    estimate = {c: rng.uniform(1, 10) for c in every}
+
+    def fake(raw, overrides, c, steps, floor=None):
+        rate = screen[c] if steps == 1 else measured[c]
+        if floor is not None and rate < floor:  # what simulate() reports when cut: a bound in (rate, floor)
+            return {"samples_per_s": (rate + floor) / 2, "cut_off": True, "measured_steps": steps}
+        return {"samples_per_s": rate, "cut_off": False, "measured_steps": steps}
+
+    monkeypatch.setattr(P, "simulate", fake)
+    runs = {}
+    for cutoff in (False, True):
+        with ThreadPoolExecutor(2) as pool, P._Runner({}, [], 2, False, pool=pool) as runner:
+            runs[cutoff] = P._search(runner, every, estimate, space, shortlist=8, finalists=3, measured_steps=3,
+                                     cutoff=cutoff)
+    plain, cut = runs[False], runs[True]
+    assert list(cut) == list(plain)  # the same placements simulated, in the same order
+    final = [c for c, r in plain.items() if r["measured_steps"] == 3]
+    assert [c for c, r in cut.items() if r["measured_steps"] == 3] == final
+    pick = max(final, key=lambda c: plain[c]["samples_per_s"])
+    assert max(final, key=lambda c: cut[c]["samples_per_s"]) == pick
+    assert not cut[pick]["cut_off"] and cut[pick]["samples_per_s"] == plain[pick]["samples_per_s"]
+    third = sorted((screen[c] for c in plain), reverse=True)[2]  # the finalists' entry rate
+    for c, r in cut.items():
+        if not r["cut_off"]:
+            assert r["samples_per_s"] == plain[c]["samples_per_s"]
+        elif r["measured_steps"] == 1:
+            assert screen[c] < r["samples_per_s"] < third
+        else:
+            assert measured[c] < r["samples_per_s"] < measured[pick]
+    assert sum(r["cut_off"] for r in cut.values()) >= 3  # the floors did cut

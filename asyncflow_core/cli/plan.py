@@ -20,6 +20,13 @@ which rank first. The estimate only decides what to simulate; the pick is
 the simulator's. ``--full`` simulates every candidate over ``--steps`` (the
 reference the screened search is checked against, docs/simulation.md).
 
+Simulations are cut off (``--cutoff``, on by default) once their measured
+steps cannot rank where they would matter: a screening run below the
+``--finalists``-th best screened so far, a finalist below the best finalist
+so far, a ``--full`` run below the ``--finalists``-th best so far. The rows
+that decide the search and the pick are the same as without cut-offs; a
+cut-off row holds an upper bound (shown ``< x``) instead of its rate.
+
 It changes only the placement options of the sim engines
 (``rollout.replicas``, ``rollout.options.latency.devices_per_replica``,
 ``trainer.options.latency.devices``) and ``async.*``; it reads their latency
@@ -224,26 +231,71 @@ def _init_worker() -> None:
     torch.set_num_threads(1)  # the pool runs one simulation per core
 
 
-def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measured_steps: int) -> dict[str, Any]:
+#: the stop reason of a simulation cut off by its floor (see :func:`simulate`)
+_CUT = "plan: cut off below the floor"
+#: virtual seconds a simulation runs past the time its floor allows before it is cut (covers the rounding of
+#: step ends to microseconds in the summary, so a cut-off row is always strictly below its floor)
+_CUT_SLACK_S = 1e-3
+
+
+def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measured_steps: int,
+             floor: float | None = None) -> dict[str, Any]:
     """Simulate one candidate: ``k + 1`` warm-up steps, then ``measured_steps``; returns its table row.
 
+    ``floor`` (samples/s): stop the simulation as soon as its measured steps cannot reach it (their virtual
+    time passed ``measured_steps`` x samples per step / ``floor``); the row is then marked ``cut_off`` and its
+    ``samples_per_s`` is an upper bound below the floor (the rate had it ended at the cut). Everything before
+    the cut runs as without a floor: the cut-off only reads the context (a subscriber and one timer).
     Runs in a worker process (top-level, picklable arguments).
     """
+    import asyncio
+
     from asyncflow_core.config import load_config, resolve
     from asyncflow_core.flow.clock import run_virtual
+    from asyncflow_core.flow.events import VersionPublished
     from asyncflow_core.flow.runtime import FlowRuntime
+    from asyncflow_core.flow.stage import RunStopped
 
     warm = cand.k + 1
     cfg = load_config(data=raw, overrides=[*overrides, *cand.overrides(), f"trainer.total_steps={warm + measured_steps}",
                                            "rollout.options.payload=lengths", "trainer.checkpoint_every=0",
                                            "logging.level=WARNING"])
-    roles = _capture()
-    t0 = time.perf_counter()
-    summary = run_virtual(FlowRuntime(resolve(cfg), write_png=False, roles=roles).run())
-    wall = time.perf_counter() - t0
     per_step = cfg.data.prompts_per_step * cfg.rollout.n
+    cut: dict[str, float] = {}
+
+    def watch(ctx: Any) -> None:
+        if floor is None:
+            return
+        loop = asyncio.get_running_loop()
+        allowed = measured_steps * per_step / floor + _CUT_SLACK_S
+
+        def stop_if_short() -> None:
+            if ctx.version < warm + measured_steps and not ctx.stop.is_set():
+                cut["at"] = loop.time()
+                ctx.halt(_CUT)
+
+        def published(ev: VersionPublished) -> None:
+            if ev.version == warm:  # the warm-up's last step ended: the measured steps start now
+                cut["from"] = loop.time()
+                loop.call_at(cut["from"] + allowed, stop_if_short)
+
+        ctx.events.subscribe(VersionPublished, published, name="plan-cutoff")
+
+    roles = _capture()
+    runtime = FlowRuntime(resolve(cfg), write_png=False, roles=roles, on_start=watch)
+    t0 = time.perf_counter()
+    try:
+        summary = run_virtual(runtime.run())
+    except RunStopped:
+        if "at" not in cut:
+            raise
+        summary = runtime.summary
+    wall = time.perf_counter() - t0
     ends = summary["step_end_s"]
-    steady = (len(ends) - warm) * per_step / (ends[-1] - ends[warm - 1]) if len(ends) > warm else 0.0
+    if "at" in cut:
+        steady = measured_steps * per_step / (cut["at"] - cut["from"])
+    else:
+        steady = (len(ends) - warm) * per_step / (ends[-1] - ends[warm - 1]) if len(ends) > warm else 0.0
     generated = sum(e.stats.tokens_generated for s, e in roles.built if s == "rollout")
     delivered = int(summary["counters"].get("tokens_generated", 0))
     hist = {int(k): v for k, v in summary["staleness_histogram"].items()}
@@ -267,6 +319,7 @@ def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measure
         "rollout_utilisation": sum(rollout_util) / len(rollout_util) if rollout_util else 0.0,
         "train_utilisation": util.get("train", 0.0),
         "wall_s": wall,
+        "cut_off": "at" in cut,
     }
 
 
@@ -306,7 +359,7 @@ class PlanResult:
 def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None = None, node_size: int = 8,
              max_k: int = 4, replicas_per_node: Sequence[int] = (1, 2, 4, 8), measured_steps: int = 3,
              shortlist: int = 8, finalists: int = 3, full: bool = False, workers: int | None = None,
-             progress: bool = True) -> PlanResult:
+             progress: bool = True, cutoff: bool = True) -> PlanResult:
     """Screen, simulate and rank the placements of ``config`` (see the module docstring)."""
     from asyncflow_core.config import load_config, resolve
     from asyncflow_core.config.loader import read_yaml
@@ -342,10 +395,10 @@ def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None
     jobs = max(1, workers or os.cpu_count() or 1)
     with _Runner(raw, list(overrides), jobs, progress) as runner:
         if full:
-            done = runner.run(every, measured_steps)
+            done = runner.run(every, measured_steps, keep=finalists if cutoff else None)
         else:
             done = _search(runner, every, estimate, space, shortlist=shortlist, finalists=finalists,
-                           measured_steps=measured_steps)
+                           measured_steps=measured_steps, cutoff=cutoff)
     ideal = ideal_samples_per_s(w, devices, node_size)
     # placements measured over every step first (the finalists), then those only screened
     rows = sorted(done.values(), key=lambda r: (-r["measured_steps"], -r["samples_per_s"], r["candidate"]["k"]))
@@ -356,25 +409,36 @@ def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None
     return PlanResult(rows=rows, chosen=rows[0], ideal_samples_per_s=ideal, candidates=len(every),
                       simulated=len(done), wall_s=time.perf_counter() - t0,
                       settings={**space, "replicas_per_node": list(replicas_per_node), "measured_steps": measured_steps,
-                                "full": full, "workers": jobs, "config": str(config), "overrides": list(overrides)})
+                                "full": full, "cutoff": cutoff, "workers": jobs, "config": str(config),
+                                "overrides": list(overrides)})
 
 
 def _search(runner: _Runner, every: list[Candidate], estimate: dict[Candidate, float], space: dict[str, Any], *,
-            shortlist: int, finalists: int, measured_steps: int) -> dict[Candidate, dict[str, Any]]:
+            shortlist: int, finalists: int, measured_steps: int, cutoff: bool) -> dict[Candidate, dict[str, Any]]:
     """Screened search: simulate the analytic shortlist for one step after the warm-up, walk to better
-    neighbours, then measure the best few over ``measured_steps`` and keep those rows for them."""
+    neighbours, then measure the best few over ``measured_steps`` and keep those rows for them.
+
+    With ``cutoff``, a screening simulation stops once it cannot enter the best ``finalists`` screened so far,
+    and a finalist once it cannot beat the best finalist so far (:meth:`_Runner.run`): the walk (which starts
+    from the best), the finalists and the pick are the same as without it; only the rows cut off hold upper
+    bounds instead of their rates."""
+    keep = finalists if cutoff else None
+
+    def exact() -> list[float]:
+        return [r["samples_per_s"] for r in seen.values() if not r["cut_off"]]
+
     ranked = sorted(every, key=lambda c: estimate[c])
-    seen = runner.run(list(dict.fromkeys(ranked[:shortlist] + _best_per_group(ranked))), 1)
+    seen = runner.run(list(dict.fromkeys(ranked[:shortlist] + _best_per_group(ranked))), 1, keep=keep)
     for _ in range(2):  # walk to better neighbours of the best screened placement
         best = max(seen, key=lambda c: seen[c]["samples_per_s"])
         fresh = [n for n in neighbours(best, **space) if n not in seen]
         if not fresh:
             break
-        seen.update(runner.run(fresh, 1))
+        seen.update(runner.run(fresh, 1, keep=keep, known=exact()))
         if max(seen, key=lambda c: seen[c]["samples_per_s"]) == best:
             break
     top = sorted(seen, key=lambda c: -seen[c]["samples_per_s"])[:finalists]
-    seen.update(runner.run(top, measured_steps))
+    seen.update(runner.run(top, measured_steps, keep=1 if cutoff else None))
     return seen
 
 
@@ -396,11 +460,19 @@ def longest_first(cands: Sequence[Candidate], steps: int) -> list[Candidate]:
     return sorted(dict.fromkeys(cands), key=lambda c: (-(c.k + 1 + steps), -c.replicas))
 
 
+def cheapest_first(cands: Sequence[Candidate], steps: int) -> list[Candidate]:
+    """``cands`` in the order to start them when simulations may be cut off: the fewest simulated steps first
+    (then the most replicas), so that the floors the later ones are cut at are known early."""
+    return sorted(dict.fromkeys(cands), key=lambda c: (c.k + 1 + steps, -c.replicas))
+
+
 class _Runner:
     """A process pool over every core with one progress bar for the whole plan."""
 
-    def __init__(self, raw: dict[str, Any], overrides: list[str], jobs: int, progress: bool) -> None:
+    def __init__(self, raw: dict[str, Any], overrides: list[str], jobs: int, progress: bool,
+                 pool: Any = None) -> None:
         self.raw, self.overrides, self.jobs, self.show = raw, overrides, jobs, progress
+        self.pool = pool  #: an executor to run on instead (tests); None: a process pool of ``jobs``
 
     def __enter__(self) -> _Runner:  # noqa: PYI034 - a private class, never subclassed
         import multiprocessing
@@ -408,25 +480,51 @@ class _Runner:
 
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
-                                        initializer=_init_worker)
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                            initializer=_init_worker)
         self.bar = Progress(TextColumn("[bold]plan"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                             TimeElapsedColumn(), disable=not self.show, transient=True)
         self.bar.start()
         self.task = self.bar.add_task("", total=0)
         return self
 
-    def run(self, cands: list[Candidate], steps: int) -> dict[Candidate, dict[str, Any]]:
-        """Simulate ``cands`` (``steps`` measured steps each) on the pool; their rows by candidate."""
-        from concurrent.futures import as_completed
+    def run(self, cands: list[Candidate], steps: int, *, keep: int | None = None,
+            known: Sequence[float] = ()) -> dict[Candidate, dict[str, Any]]:
+        """Simulate ``cands`` (``steps`` measured steps each) on the pool; their rows by candidate.
+
+        ``keep``: only the ``keep`` best rates matter (with ``known``, the exact rates of rows measured over
+        ``steps`` before): each simulation starts with a floor, the ``keep``-th best rate known when it starts,
+        and is cut off once it cannot reach it (:func:`simulate`); a cut-off rate is below every rate in the
+        ``keep`` best, so the ``keep`` best are those without cut-offs. The cheapest simulations start first then,
+        so that floors are known early. Simulations start one per free worker.
+        """
+        from concurrent.futures import FIRST_COMPLETED, wait
 
         self.bar.update(self.task, total=(self.bar.tasks[0].total or 0) + len(cands))
-        futures = {self.pool.submit(simulate, self.raw, self.overrides, c, steps): c for c in longest_first(cands, steps)}
-        done = {}
-        for fut in as_completed(futures):
-            c = futures[fut]
-            done[c] = fut.result()
-            self.bar.update(self.task, advance=1, description=f"{c.label}: {done[c]['samples_per_s']:.1f} samples/s")
+        order = longest_first(cands, steps) if keep is None else cheapest_first(cands, steps)
+        rates = sorted(known, reverse=True)
+        futures: dict[Any, Candidate] = {}
+        done: dict[Candidate, dict[str, Any]] = {}
+
+        def start_next() -> None:
+            if order:
+                c = order.pop(0)
+                floor = rates[keep - 1] if keep is not None and len(rates) >= keep else None
+                futures[self.pool.submit(simulate, self.raw, self.overrides, c, steps, floor)] = c
+
+        for _ in range(self.jobs):
+            start_next()
+        while futures:
+            finished, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                c = futures.pop(fut)
+                row = done[c] = fut.result()
+                if not row["cut_off"]:
+                    rates = sorted([*rates, row["samples_per_s"]], reverse=True)
+                note = "cut off" if row["cut_off"] else f"{row['samples_per_s']:.1f} samples/s"
+                self.bar.update(self.task, advance=1, description=f"{c.label}: {note}")
+                start_next()
         return {c: done[c] for c in cands}
 
     def __exit__(self, *exc: object) -> None:
@@ -455,7 +553,9 @@ def print_table(result: PlanResult, console: Any, limit: int = 20) -> None:
         c = r["candidate"]
         where = "colocated" if c["colocated"] else f"{c['rollout_devices']} roll / {c['trainer_devices']} train"
         table.add_row(str(r["rank"]), str(c["k"]), where, f"{c['rollout_devices'] // c['devices_per_replica']} x "
-                      f"{c['devices_per_replica']}", f"{r['samples_per_s']:.1f}", str(r["measured_steps"]),
+                      f"{c['devices_per_replica']}",
+                      f"< {r['samples_per_s']:.1f}" if r.get("cut_off") else f"{r['samples_per_s']:.1f}",
+                      str(r["measured_steps"]),
                       f"{r['efficiency_vs_ideal']:.2f}",
                       str(r["requeued_groups"]), f"{r['aborted_fraction']:.1%}", _histogram_text(r["staleness_histogram"]),
                       f"{r['rollout_utilisation']:.2f} / {r['train_utilisation']:.2f}")
@@ -463,9 +563,11 @@ def print_table(result: PlanResult, console: Any, limit: int = 20) -> None:
 
 
 def pareto_front(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows no other row beats on both throughput (higher) and mean staleness (lower)."""
-    front = []
-    for r in sorted(rows, key=lambda r: (r["mean_staleness"], -r["samples_per_s"])):
+    """Rows no other row beats on both throughput (higher) and mean staleness (lower); rows cut off (an upper
+    bound on throughput, the staleness of a part of the run) are left out."""
+    front: list[dict[str, Any]] = []
+    exact = (r for r in rows if not r.get("cut_off"))
+    for r in sorted(exact, key=lambda r: (r["mean_staleness"], -r["samples_per_s"])):
         if not front or r["samples_per_s"] > front[-1]["samples_per_s"]:
             front.append(r)
     return front
@@ -480,7 +582,7 @@ def pareto_png(result: PlanResult, path: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for colocated, marker in ((False, "o"), (True, "s")):
-        pts = [r for r in result.rows if r["candidate"]["colocated"] == colocated]
+        pts = [r for r in result.rows if r["candidate"]["colocated"] == colocated and not r.get("cut_off")]
         if pts:
             ax.scatter([r["mean_staleness"] for r in pts], [r["samples_per_s"] for r in pts], marker=marker,
                             c=[r["candidate"]["k"] for r in pts], cmap="viridis", vmin=0,
@@ -547,6 +649,8 @@ def plan_cmd(
     finalists: Annotated[int, typer.Option(help="Best screened placements measured over every --steps.")] = 3,
     full: Annotated[bool, typer.Option("--full", help="Simulate every placement (slow; the reference).")] = False,
     workers: Annotated[int | None, typer.Option(help="Simulations at once (default: every core).")] = None,
+    cutoff: Annotated[bool, typer.Option(help="Stop a simulation once it cannot rank among the best (its row "
+                                              "then holds an upper bound, shown '< x'); the pick is the same.")] = True,
     out: Annotated[Path, typer.Option(help="Directory for plan.json, pareto.png, overlay.yaml, chosen.yaml.")] = Path("plan"),
     progress: Annotated[bool, typer.Option(help="Progress bar on a terminal.")] = True,
 ) -> None:
@@ -562,7 +666,7 @@ def plan_cmd(
         raise ConfigError(f"--replicas-per-node {replicas_per_node!r}: give integers, e.g. 1,2,4,8") from None
     result = run_plan(config, overrides or [], devices=devices, node_size=node_size, max_k=max_staleness,
                       replicas_per_node=rpn, measured_steps=steps, shortlist=shortlist, finalists=finalists,
-                      full=full, workers=workers,
+                      full=full, workers=workers, cutoff=cutoff,
                       progress=progress and sys.stderr.isatty())
     console = Console(width=None if sys.stdout.isatty() else 200)
     print_table(result, console)

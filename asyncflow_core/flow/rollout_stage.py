@@ -27,6 +27,7 @@ from typing import Any
 
 from asyncflow_core import columns as C
 from asyncflow_core.flow.engine_pool import EnginePool, Replica
+from asyncflow_core.flow.prompts import row_prompts
 from asyncflow_core.flow.episode import EpisodeFactory, SingleTurn, SingleTurnEpisodes
 from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re-exported (older imports)
 from asyncflow_core.flow.rollout_episodes import EpisodeDriving
@@ -191,9 +192,8 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
                 lease = _Lease(meta, len(meta), LeaseKeeper(ctx.store, meta, self.lease_s, clock=ctx.clock))
                 prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
                 gids = batch[C.GROUP_ID].tolist()
-                vals, offs = prompts.values.tolist(), prompts.offsets.tolist()  # one conversion, not one per row
-                for i, row in enumerate(meta.row_ids.tolist()):
-                    ep = self.episodes.new(row, lease, tuple(vals[offs[i]:offs[i + 1]]), int(gids[i]), ctx)
+                for i, (row, prompt) in enumerate(zip(meta.row_ids.tolist(), row_prompts(prompts, gids))):
+                    ep = self.episodes.new(row, lease, prompt, int(gids[i]), ctx)
                     if ep.multi_turn:
                         self._begin(ep)
                     else:
@@ -387,3 +387,4 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
         for idx, since in list(self._busy_since.items()):
             self.ctx.timeline.add(self.replicas[idx].lane, "generate", since, now)
         self._busy_since.clear()
+

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +88,13 @@ class FlowRuntime:
     """One run: engines, store, stages, weight sync, telemetry."""
 
     def __init__(self, resolved: ResolvedConfig, *, run_dir: Path | None = None, progress: bool = False,
-                 write_png: bool = True, resume: bool = False, roles: Roles | None = None) -> None:
+                 write_png: bool = True, resume: bool = False, roles: Roles | None = None,
+                 on_start: Callable[[FlowContext], None] | None = None) -> None:
         self.roles = roles or Roles()
+        #: called with the run's context once every built-in subscriber is attached, before the stages start
+        #: (``asyncflow plan`` subscribes its cut-off there); it must not await, and what it attaches may stop the
+        #: run (``ctx.halt``) but must not otherwise change it
+        self.on_start = on_start
         self.resolved = resolved
         self.config = resolved.config
         self.run_dir = run_dir
@@ -342,6 +348,8 @@ class FlowRuntime:
                            transport=transport, replicas=replicas, reward=reward, trainer=trainer,
                            ref_engine=ref_engine, metrics=metrics, run_dir=self.run_dir, export=clean)
 
+        if self.on_start is not None:
+            self.on_start(ctx)
         wall0 = time.perf_counter()
         sim0 = clock()
         interrupted, error = await supervise(ctx, stages, start=start, stop=stop, lost=self.roles.lost)
