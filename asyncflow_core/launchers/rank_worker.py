@@ -226,7 +226,7 @@ class KeptSegments:
     (as before).
     """
 
-    def __init__(self, *, directory: Path = SHM_DIR, max_per_bucket: int = 3) -> None:
+    def __init__(self, *, directory: Path = SHM_DIR, max_per_bucket: int = 2) -> None:
         self.dir = Path(directory)
         self.max_per_bucket = max_per_bucket
         self._token = uuid.uuid4().hex[:12]
