@@ -24,8 +24,9 @@ sync is what a trainer at world 1 and the torch rollout engine do:
   ``inprocess`` receiver hashes every bucket again (``recheck``) and the
   engine loads with one ``copy_`` per tensor.
   ``fresh`` allocates new buffers every sync on both sides, as before the
-  arena (and rechecks too). The ``shm`` receiver copies into its own arena
-  (``reuse_buffers``) except under ``fresh``. ``--export arena,direct``
+  arena (and rechecks too). The ``shm`` receiver maps the sender's segment
+  (``reuse_buffers``, no copy) except under ``fresh``, where it copies into
+  fresh memory. ``--export arena,direct``
   measures several, one after the other, in one invocation;
 - **transfer**: ``transport.send`` until the engine side holds every bucket
   verified (``receive`` recomputes the digests);

@@ -204,25 +204,59 @@ def test_inprocess_a_receiver_mid_version_is_never_overwritten_by_two_more_expor
     asyncio.run(main())
 
 
-def test_shm_receiver_reuses_its_copies_and_never_rewrites_a_version_still_held() -> None:
+def staged_segment(sender: ShmWeightTransport) -> str:
+    assert sender._staged is not None
+    return sender._staged.segment
+
+
+def packed(sender: ShmWeightTransport, v: int) -> list[WeightBucket]:
+    return list(pack_buckets(weights(v), version=v, bucket_bytes=2048, allocate=sender.allocator()))
+
+
+def test_shm_a_slot_a_receiver_maps_is_never_rewritten_and_is_reused_once_dropped() -> None:
+    """Receivers map the segment (no copy); the sender skips a slot whose lock a mapping holds, not its bytes."""
+
     async def main() -> None:
         sender = ShmWeightTransport(ShmTransportConfig())
+        seg: dict[int, str] = {}
+
+        async def send(v: int) -> None:
+            await sender.send(aiter_of(packed(sender, v) if v > 1 else export(None, v)), deadline_s=DEADLINE_S)
+            seg[v] = staged_segment(sender)
+
+        async def receive(v: int) -> list[WeightBucket]:
+            got = [b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)]
+            assert [b.checksum for b in got] == [b.checksum for b in export(None, v)]
+            assert_intact(got, snapshot(export(None, v)))  # bytes equal the packed ones
+            return got
+
         try:
-            receive = []
-            for v in (1, 2, 3):
-                await sender.send(aiter_of(export(None, v)), deadline_s=DEADLINE_S)
-                receive.append([b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)])
-                if v == 1:
-                    saved = snapshot(receive[0])
-            assert_intact(receive[0], saved)  # version 1 still held while 2 and 3 were copied in
-            base = [b.buffer.untyped_storage().data_ptr() for b in (r[0] for r in receive)]
-            assert len(set(base)) == 3
-            del receive[0]
-            receive.pop(0)  # version 2 dropped too; 3 is held
-            await sender.send(aiter_of(export(None, 4)), deadline_s=DEADLINE_S)
-            v4 = [b async for b in sender.receive(min_version=4, deadline_s=DEADLINE_S)]
-            assert v4[0].buffer.untyped_storage().data_ptr() in base[:2]  # a released copy's pages, reused
-            assert [b.checksum for b in v4] == [b.checksum for b in export(None, 4)]
+            await send(1)
+            held = await receive(1)  # maps slot A
+            assert all(b.buffer.untyped_storage().data_ptr() != sender._slots["a"].view.data_ptr() for b in held)
+            await send(2)  # slot B
+            await send(3)  # slot A is mapped: a new segment for it
+            assert seg[3] not in (seg[1], seg[2]) and sender.stats()["slots_held"] == 1
+            assert_intact(held, snapshot(export(None, 1)))  # two more versions sent: version 1 untouched
+            assert not (sender.dir / seg[1]).exists()  # its name went; the mapping keeps the pages
+            del held
+
+            view = next(iter((await receive(3))[0].tensors()))[1]  # only a view of version 3's mapping is kept
+            expected = view.clone()
+            await send(4)  # slot B again: nobody maps it
+            assert seg[4] == seg[2]
+            await send(5)  # slot A holds version 3, still mapped through the view
+            assert seg[5] != seg[3] and sender.stats()["slots_held"] == 2
+            assert torch.equal(view, expected)
+            del view
+
+            got = await receive(5)
+            del got  # dropped right after loading, as an engine does: the lock goes with the mapping
+            await send(6)
+            await send(7)
+            assert (seg[6], seg[7]) == (seg[4], seg[5])  # both slots reused, no new segment
+            assert sender.stats()["slots_held"] == 2
+            await receive(7)
         finally:
             await sender.close()
 
@@ -233,11 +267,18 @@ def test_shm_reuse_buffers_off_copies_into_fresh_memory() -> None:
     async def main() -> None:
         sender = ShmWeightTransport(ShmTransportConfig(reuse_buffers=False))
         try:
-            assert sender._payloads is None
+            assert not sender._map
+            held = []
             for v in (1, 2, 3):
                 await sender.send(aiter_of(export(None, v)), deadline_s=DEADLINE_S)
                 got = [b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)]
                 assert [b.checksum for b in got] == [b.checksum for b in export(None, v)]
+                held.append(got)
+                if v == 1:
+                    first = staged_segment(sender)
+            # a private copy holds no lock: version 3 rewrote version 1's slot, and the copy is intact
+            assert staged_segment(sender) == first and sender.stats()["slots_held"] == 0
+            assert_intact(held[0], snapshot(export(None, 1)))
         finally:
             await sender.close()
 
@@ -268,7 +309,7 @@ def test_shm_packs_straight_into_the_slot_its_next_send_writes() -> None:
             stats = sender.stats()
             nbytes = sum(b.nbytes for b in export(None, 1))
             # the first version sizes the segment (copied in); every later one was packed in place, no copy
-            assert stats == {"in_place_bytes": 3 * nbytes, "copied_bytes": nbytes}
+            assert stats == {"in_place_bytes": 3 * nbytes, "copied_bytes": nbytes, "slots_held": 0}
             assert places[1] == places[3] and places[1].isdisjoint(places[2])  # the two slots, alternately
         finally:
             await sender.close()
@@ -288,7 +329,7 @@ def test_shm_a_receiver_reading_the_slot_being_packed_retries_instead_of_reading
                 del sent
             packing = sender.allocator()
             packing(64)  # ... and version 3 starts packing into slot A, the one not holding version 2
-            assert sender._copy_out(stale) is None  # the header says "being written": the receiver retries
+            assert sender._read_version(stale) is None  # the header says "being written": the receiver retries
             got = [b async for b in sender.receive(min_version=1, deadline_s=DEADLINE_S)]
             assert [b.version for b in got] == [2] * len(got)
         finally:

@@ -342,6 +342,99 @@ def test_shm_across_processes_and_stale_segments_are_swept():
     run(body())
 
 
+async def _shm_holder(conn, name: str) -> None:
+    """Map version 1 and hold it; on request, check it is still intact; wait to be killed."""
+    t = ShmWeightTransport(ShmTransportConfig(name=name))
+    held = [b async for b in t.receive(min_version=1, deadline_s=WAIT_S)]
+    conn.send(("holding", same_as({n: x.clone() for b in held for n, x in b.tensors()}, 1)))
+    conn.recv()
+    conn.send(("intact", same_as({n: x.clone() for b in held for n, x in b.tensors()}, 1)))
+    conn.recv()  # never comes: the test kills this process while it holds the mapping
+
+
+def _segment_locked(path: Path) -> bool:
+    """Whether a receiver holds ``path``'s shared lock (our exclusive try fails)."""
+    import fcntl
+
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+@pytest.mark.skipif(SHM_DIR is None, reason="needs /dev/shm")
+def test_shm_a_segment_another_process_maps_is_kept_until_it_dies():
+    """The receiver maps (no copy) under a shared lock: two more sends take other segments; its death frees it."""
+    name = f"m{uuid.uuid4().hex[:10]}"
+    parent, child = ctx().Pipe()
+    proc = ctx().Process(target=child_main, args=(_shm_holder, child, name))
+
+    async def body():
+        t = ShmWeightTransport(ShmTransportConfig(name=name))
+        try:
+            await t.send(aiter(buckets(1)), deadline_s=30)
+            v1, _ = shm_segment_path(t)
+            proc.start()
+            assert expect(parent, what="the receiver to map version 1") == ("holding", True)
+            assert _segment_locked(v1)
+            await t.send(aiter(buckets(2)), deadline_s=30)
+            await t.send(aiter(buckets(3)), deadline_s=30)  # version 1's slot is mapped: a new segment
+            v3, _ = shm_segment_path(t)
+            assert v3 != v1 and t.stats()["slots_held"] == 1
+            parent.send("check")
+            assert expect(parent, what="the receiver to re-read version 1") == ("intact", True)
+            assert same_as(await received(t, min_version=3), 3)
+            assert not _segment_locked(v3)  # this process mapped version 3 and dropped it: no lock left behind
+            proc.kill()
+            proc.join(WAIT_S)
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            await t.close()
+        assert shm_files(name) == []
+
+    run(body())
+
+
+async def _shm_killed_holder(conn, name: str) -> None:
+    t = ShmWeightTransport(ShmTransportConfig(name=name))
+    held = [b async for b in t.receive(min_version=1, deadline_s=WAIT_S)]
+    conn.send(("holding", held[0].version))
+    conn.recv()  # never comes: killed
+
+
+@pytest.mark.skipif(SHM_DIR is None, reason="needs /dev/shm")
+def test_shm_a_receiver_that_dies_releases_its_segment():
+    name = f"k{uuid.uuid4().hex[:10]}"
+    parent, child = ctx().Pipe()
+    proc = ctx().Process(target=child_main, args=(_shm_killed_holder, child, name))
+
+    async def body():
+        t = ShmWeightTransport(ShmTransportConfig(name=name))
+        try:
+            await t.send(aiter(buckets(1)), deadline_s=30)
+            v1, _ = shm_segment_path(t)
+            proc.start()
+            assert expect(parent, what="the receiver to map version 1") == ("holding", 1)
+            assert _segment_locked(v1)
+            proc.kill()  # SIGKILL: no close, no finalizer; the kernel drops its lock with its files
+            proc.join(WAIT_S)
+            assert not _segment_locked(v1)
+            await t.send(aiter(buckets(2)), deadline_s=30)
+            await t.send(aiter(buckets(3)), deadline_s=30)
+            assert shm_segment_path(t)[0] == v1 and t.stats()["slots_held"] == 0  # its slot is reused
+            assert same_as(await received(t, min_version=3), 3)
+        finally:
+            if proc.is_alive():
+                proc.kill()
+            await t.close()
+        assert shm_files(name) == []
+
+    run(body())
+
+
 # ---------------------------------------------------------------- disk
 
 

@@ -28,8 +28,8 @@ class ShmTransportConfig(BaseModel):
     poll_interval_s: float = Field(0.005, gt=0, description="How often a waiting receiver re-reads the manifest.")
     reuse_buffers: bool = Field(
         True,
-        description="A receiver copies each version into buffers kept across versions (an ExportArena), reused "
-        "once nothing holds the version they carried; False allocates fresh memory per version.",
+        description="A receiver maps the sender's segment (no copy; the sender keeps its segments across versions "
+        "and reuses one once no receiver maps it); False: a receiver copies each version into fresh memory.",
     )
 
 

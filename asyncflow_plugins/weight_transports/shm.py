@@ -1,4 +1,4 @@
-"""``shm`` weight transport: a version staged in a shared-memory segment, copied out by local processes.
+"""``shm`` weight transport: a version staged in a shared-memory segment, mapped by local processes.
 
 Process model. One sender (the trainer) and any number of receivers on the
 same host open the transport with the same ``name``. They share nothing but
@@ -10,20 +10,31 @@ files under ``directory`` (``/dev/shm``, i.e. RAM):
   pickle: a receiver executes nothing it reads.
 - ``asyncflow-wt-<name>-<pid>-<token>-<slot>`` — two segments (slots A and B)
   the sender writes versions into, alternately: version v+1 goes to the slot
-  that does not hold v, so a receiver copying v is not clobbered by v+1.
-  Each segment starts with a 64-byte header (generation, state, version);
-  a receiver re-reads it after copying, and a copy that raced with a rewrite
-  (a receiver slower than two whole sends) is detected and retried.
+  that does not hold v, so a receiver reading v is not clobbered by v+1.
+  Each segment starts with a 64-byte header (generation, state, version).
+
+Who may write a segment is a file lock (``flock``), as for the rank
+segments (``asyncflow_core/launchers/rank_worker.py``, ``KeptSegments``):
+the sender writes a segment only while it holds the exclusive lock, taken
+without waiting, and a receiver reads one only under a shared lock. A
+receiver that maps a version keeps its shared lock for as long as the
+mapping lives (``mmap`` holds a duplicate of the descriptor, and the lock
+belongs to the open file), i.e. until the engine drops the last bucket or
+view of it, or its process dies; meanwhile the sender puts new versions
+into the other slot or a fresh segment, never into that one.
 
 The sender can also have a version packed straight into the slot its next
 send writes (:meth:`ShmWeightTransport.allocator`, passed to
 ``pack_buckets(..., allocate=)``): ``send`` then finds the buckets already in
 place and only publishes them, with no copy.
 
-Receivers map the segment and copy the payload into their own buffer (kept
-across versions in an ``ExportArena`` unless ``reuse_buffers`` is off), hashing
-each span right after copying it (one pass, on the digest threads), check the
-generation, then compare every bucket's digest before yielding any. The
+Receivers take the shared lock, check the header's generation, map the
+segment (private, copy-on-write: a receiver writing its buffers never
+changes what others read) and hash it in place, span by span on the digest
+threads; every bucket's digest is compared before any is yielded, and the
+buckets yielded are views of the mapping (no copy). With ``reuse_buffers``
+off a receiver copies the payload into fresh memory instead (hashing each
+span right after copying it) and holds no lock once it returns. The
 sender unlinks its segments and the manifest on ``close()`` (and, as a
 fallback, when the object is garbage collected or the process exits);
 segments left by a sender that was killed are removed by the next sender on
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -42,6 +54,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from pathlib import Path
@@ -64,7 +77,6 @@ from asyncflow_plugins.weight_transports.manifest import (
     pid_alive,
 )
 from asyncflow_core.types.weights import (
-    ExportArena,
     _storage_users,
     digest_leaf,
     digest_pool,
@@ -99,12 +111,14 @@ class _Segment:
     """A sender-owned segment file, mapped read-write."""
 
     def __init__(self, path: Path, size: int) -> None:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            os.ftruncate(self.fd, size)
+            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: no receiver can have it open yet
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.path = path
         self.size = size
         self.view = torch.frombuffer(self.map, dtype=torch.uint8)
@@ -112,6 +126,22 @@ class _Segment:
         self.version: int | None = None
         #: the generation an allocator set when it began packing a version into this segment, else None
         self.packing: int | None = None
+
+    def try_lock(self) -> bool:
+        """Take the segment for writing: fails (without waiting) while any receiver maps it (its shared lock).
+
+        Taking it again while this object holds it succeeds (the lock belongs to this open file).
+        """
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        """After publishing: receivers may map it (they take the shared lock)."""
+        with contextlib.suppress(OSError, ValueError):
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
 
     def set_header(self, generation: int, state: int, version: int) -> None:
         HEADER.pack_into(self.map, 0, MAGIC, generation, state, version)
@@ -142,6 +172,9 @@ class _Segment:
         # make close() refuse, so unmapping now would leave them dangling; their storage keeps the mmap object
         # alive and it unmaps when the last of them goes
         self.map = None
+        self.unlock()  # the mapping's duplicate descriptor (if buckets keep it) shares the lock: drop it first
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -153,7 +186,7 @@ def _unlink_all(paths: list[Path]) -> None:
 
 
 class ShmWeightTransport(WeightTransport):
-    """Stages versions in two shared-memory segments; receivers in any local process copy and verify them."""
+    """Stages versions in two shared-memory segments; receivers in any local process map and verify them."""
 
     def __init__(self, config: ShmTransportConfig | None = None) -> None:
         self.config = config or ShmTransportConfig()
@@ -168,9 +201,9 @@ class ShmWeightTransport(WeightTransport):
         self._counter = 0
         self._lock = threading.Lock()
         self._closed = False
-        # a receiver's copies: kept pages, no page faults per version; a version an engine still holds is never reused
-        self._payloads = ExportArena() if self.config.reuse_buffers else None
-        self._stats = {"in_place_bytes": 0, "copied_bytes": 0}
+        # reuse_buffers: a receiver maps the sender's kept segments (no copy); off: it copies into fresh memory
+        self._map = self.config.reuse_buffers
+        self._stats = {"in_place_bytes": 0, "copied_bytes": 0, "slots_held": 0}
         self._needed: int | None = None  # segment bytes the last staged version took: what allocator() lays out
         # unlinks whatever this sender created if close() is never called (GC or interpreter exit)
         self._owned: list[Path] = []
@@ -187,16 +220,19 @@ class ShmWeightTransport(WeightTransport):
 
         Pack the next version with it and ``send`` finds the buckets already
         in place: it publishes them without copying. The slot is the one not
-        holding the staged version (receivers may be copying that one), and
-        its header says "being written" from the first allocation on, so a
-        slow receiver still copying an older version out of it retries. A
-        bucket gets ``fallback(nbytes)`` (default: a fresh CPU buffer) and
-        is copied in by ``send`` as before when the slot cannot take it: on
-        the first version (the segment's size is learnt from the first
-        send), when the version outgrew the last one, or when something
-        still holds buckets packed into that slot earlier (their bytes are
-        never overwritten). Buckets must be sent whole, in the order packed,
-        and not written after packing.
+        holding the staged version (receivers may be mapping that one); the
+        sender holds its exclusive lock and its header says "being written"
+        from the first allocation on, so a receiver that read an older
+        manifest naming it retries with the newest. When a receiver still
+        maps the version in that slot, the slot gets a fresh segment instead
+        (its bytes are never overwritten). A bucket gets ``fallback(nbytes)``
+        (default: a fresh CPU buffer) and is copied in by ``send`` as before
+        when the slot cannot take it: on the first version (the segment's
+        size is learnt from the first send), when the version outgrew the
+        last one, or when something in this process still holds buckets
+        packed into that slot earlier. Buckets must be sent whole, in the
+        order packed, and not written after packing (receivers map these
+        very bytes).
         """
         self._check_open()
         fallback = fallback or (lambda n: torch.empty(n, dtype=torch.uint8))
@@ -229,15 +265,22 @@ class ShmWeightTransport(WeightTransport):
                 return None, None  # nothing staged yet (size unknown), or torch cannot tell us who holds a segment
             slot = self._free_slot()
             segment = self._slots.get(slot)
-            if segment is None or segment.size < self._needed or segment.held_outside():
+            if segment is None or segment.size < self._needed or segment.held_outside() or not self._lock_slot(segment):
                 segment = self._new_segment(slot, self._needed)
             self._generation += 1
             segment.packing = self._generation
             segment.set_header(self._generation, WRITING, 0)
             return segment, self._generation
 
+    def _lock_slot(self, segment: _Segment) -> bool:
+        """Whether this sender may rewrite ``segment`` now (no receiver maps it); counts the times one did."""
+        if segment.try_lock():
+            return True
+        self._stats["slots_held"] += 1
+        return False
+
     def _free_slot(self) -> str:
-        """The slot that does not hold the staged version (receivers may be copying that one)."""
+        """The slot that does not hold the staged version (receivers may be mapping that one)."""
         current = self._staged.segment if self._staged else None
         holds_current = self._slots.get("a") is not None and self._slots["a"].path.name == current
         return "b" if holds_current else "a"
@@ -245,7 +288,7 @@ class ShmWeightTransport(WeightTransport):
     def _new_segment(self, slot: str, size: int) -> _Segment:
         old = self._slots.get(slot)
         if old is not None:
-            old.close()  # a receiver still copying, or buckets packed into it, keep their mapping; the name goes away
+            old.close()  # receivers mapping it, or buckets packed into it, keep their mapping; the name goes away
         self._counter += 1
         path = self.dir / f"{PREFIX}{self.name}-{os.getpid()}-{self._token}-{slot}{self._counter}"
         self._owned.append(path)
@@ -297,7 +340,8 @@ class ShmWeightTransport(WeightTransport):
             packed_here = segment is not None and segment.packing is not None and any(in_place)
             if packed_here and any(p is not None and not ok for p, ok in zip(placed, in_place, strict=True)):
                 packed_here = False  # some bucket lies in the slot but not where the manifest puts it: copy anew
-            if segment is None or segment.size < needed or (not packed_here and segment.held_outside()):
+            if (segment is None or segment.size < needed or (not packed_here and segment.held_outside())
+                    or not self._lock_slot(segment)):  # packed here: this sender took the lock when packing began
                 segment = self._new_segment(slot, needed)  # never overwrite bytes something still holds
                 in_place = [False] * len(buckets)
             segment.packing = None
@@ -315,6 +359,7 @@ class ShmWeightTransport(WeightTransport):
             self._stats["copied_bytes"] += sum(e.nbytes for e, _ in copy)
             if cancelled.is_set():
                 raise WeightTransferError("staging was cancelled by its deadline")
+            segment.unlock()  # complete: receivers may map it from now on
             manifest = ShmManifest(
                 segment=segment.path.name,
                 generation=generation,
@@ -332,7 +377,9 @@ class ShmWeightTransport(WeightTransport):
             self._staged = manifest
 
     def stats(self) -> dict[str, int]:
-        """Bytes the sender published in place (packed by :meth:`allocator`) and bytes it copied into a segment."""
+        """Bytes published in place (packed by :meth:`allocator`), bytes copied into a segment, and
+        ``slots_held``: the times a slot was passed over because a receiver still mapped it (a new segment instead).
+        """
         with self._lock:
             return dict(self._stats)
 
@@ -386,12 +433,16 @@ class ShmWeightTransport(WeightTransport):
                 if manifest is not None:
                     newest = manifest.weights.version
             if manifest is not None and manifest.weights.version >= min_version:
+                # the buckets come back through a box emptied here, not as the thread's result: the executor's
+                # future would keep them, and with them the mapping and its lock, alive after the engine drops them
+                box: list[list[WeightBucket] | None] = []
                 try:
                     async with asyncio.timeout(remaining):
-                        buckets = await asyncio.to_thread(self._copy_out, manifest)
+                        await asyncio.to_thread(lambda m=manifest: box.append(self._read_version(m)))
+                    buckets = box.pop()
                 except TimeoutError:
                     raise WeightTransferError(
-                        f"copying version {manifest.weights.version} out of shared memory took longer than the "
+                        f"reading version {manifest.weights.version} out of shared memory took longer than the "
                         f"{deadline_s:g}s deadline"
                     ) from None
                 if buckets is not None:
@@ -403,8 +454,8 @@ class ShmWeightTransport(WeightTransport):
         for bucket in buckets:
             yield bucket
 
-    def _copy_out(self, manifest: ShmManifest) -> list[WeightBucket] | None:
-        """Copy and verify one version; ``None`` when the segment was rewritten or removed meanwhile (retry)."""
+    def _read_version(self, manifest: ShmManifest) -> list[WeightBucket] | None:
+        """Map (or copy) and verify one version; ``None`` when the segment is being rewritten or is gone (retry)."""
         path = self.dir / manifest.segment
         if "/" in manifest.segment or not manifest.segment.startswith(PREFIX):
             raise WeightTransferError(f"the shm manifest names an unexpected segment {manifest.segment!r}")
@@ -426,22 +477,56 @@ class ShmWeightTransport(WeightTransport):
                     f"shared-memory segment {manifest.segment} holds {size} bytes, version "
                     f"{manifest.weights.version} needs {needed}: a partial transfer"
                 )
-            mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None  # the sender is writing it (a newer version than this manifest): read the new manifest
+            # the mapping keeps a duplicate of fd, and with it the shared lock, until it unmaps
+            if self._map:
+                mapped = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            else:
+                mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
+        try:
+            current = self._header_matches(mapped, manifest)
+        except BaseException:
+            mapped.close()
+            raise
+        if not current:
+            mapped.close()
+            return None
+        # (a version that fails its check leaves the mapping, and its lock, to the exception: gone with it)
+        return self._map_out(mapped, manifest) if self._map else self._copy_out(mapped, manifest)
+
+    def _map_out(self, mapped: mmap.mmap, manifest: ShmManifest) -> list[WeightBucket]:
+        """Buckets that are views of the mapping, each hashed in place first (the lock keeps the sender out)."""
+        weights = manifest.weights
+        if weights.total_bytes == 0:
+            payload = torch.empty(0, dtype=torch.uint8)
+            mapped.close()
+        else:
+            with warnings.catch_warnings():  # a private writable mapping: torch warns only for read-only buffers
+                warnings.simplefilter("ignore")
+                # the tensor keeps the mmap object (and so the mapping and its lock) alive until its last user goes
+                payload = torch.frombuffer(mapped, dtype=torch.uint8, count=weights.total_bytes, offset=HEADER_BYTES)
+        source = payload.numpy()
+        jobs = [(i, e.offset + a, e.offset + b)
+                for i, e in enumerate(weights.buckets) for a, b in digest_spans(e.nbytes)]
+        leaves = list(digest_pool().map(lambda job: digest_leaf(source[job[1]:job[2]]), jobs))
+        source = None  # the closure's cell would keep the array, and with it the mapping, alive
+        return self._verified(manifest, payload, jobs, leaves)
+
+    def _copy_out(self, mapped: mmap.mmap, manifest: ShmManifest) -> list[WeightBucket] | None:
+        """``reuse_buffers`` off: copy the payload into fresh memory, hashing each span as it lands; unmap."""
         weights = manifest.weights
         # one task per digest span, on the digest threads: copy it out of the segment, hash the private copy
         jobs = [(i, e.offset + a, e.offset + b)
                 for i, e in enumerate(weights.buckets) for a, b in digest_spans(e.nbytes)]
-        if self._payloads is not None:
-            payload = self._payloads.allocator()(weights.total_bytes)
-        else:
-            payload = torch.empty(weights.total_bytes, dtype=torch.uint8)
+        payload = torch.empty(weights.total_bytes, dtype=torch.uint8)
         dst = payload.numpy()
         source = None
         try:
-            if not self._header_matches(mapped, manifest):
-                return None
             # a read-only mapping cannot back a tensor: copy through numpy, no intermediate bytes
             source = np.frombuffer(mapped, dtype=np.uint8, count=weights.total_bytes, offset=HEADER_BYTES)
 
@@ -452,11 +537,17 @@ class ShmWeightTransport(WeightTransport):
 
             leaves = list(digest_pool().map(copy_and_hash, jobs))
             source = None  # release the export so the mapping can close
-            if not self._header_matches(mapped, manifest):
+            if not self._header_matches(mapped, manifest):  # the lock keeps writers out; checked all the same
                 return None
         finally:
             source = None
-            mapped.close()
+            mapped.close()  # and with it the shared lock
+        return self._verified(manifest, payload, jobs, leaves)
+
+    @staticmethod
+    def _verified(manifest: ShmManifest, payload: torch.Tensor, jobs: list[tuple[int, int, int]],
+                  leaves: list[bytes]) -> list[WeightBucket]:
+        weights = manifest.weights
         per_bucket: list[list[bytes]] = [[] for _ in weights.buckets]
         for (i, _, _), leaf in zip(jobs, leaves, strict=True):
             per_bucket[i].append(leaf)
