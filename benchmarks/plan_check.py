@@ -1,7 +1,12 @@
 """Is ``asyncflow plan``'s pick as good as the best placement a full sweep finds? How long does it take?
 
 Usage: python benchmarks/plan_check.py [--config examples/sim_7b.yaml] [--devices 128] [--max-staleness 4]
-                                       [--full-json FULL.json] [--json]
+                                       [--steps 3] [--full-steps N] [--full-json FULL.json] [--plan-only]
+                                       [--json] [OVERRIDES...]
+
+The small config of tests/test_plan.py (docs/performance.md, "Lengths-only payloads and the planner"):
+    python benchmarks/plan_check.py --devices 32 --max-staleness 1 --steps 2 data.prompts_per_step=8 \
+        rollout.max_new_tokens=2048 store.options.capacity=4096
 
 Runs the screened plan (what ``asyncflow plan`` does, on every core) and the full sweep (every placement
 simulated over the same steps; or reads an earlier one from ``--full-json``, which this script writes
@@ -12,6 +17,10 @@ rank in the sweep. The machine is shared: wall times are one run's.
 Both run with cut-offs unless ``--no-cutoff`` (``asyncflow plan --cutoff``): the sweep's best is never cut
 off, so the ratio is exact; a sweep row cut off holds an upper bound, and when such a bound lies above the
 pick's rate the rank printed is the worst the pick can have (``pick_rank_exact`` false).
+
+``--full-steps N`` measures the sweep over N steps instead of ``--steps`` (a longer reference: a short window
+can still hold the first steps after the warm-up, which run ahead or behind the steady rate); the pick is then
+judged by its own row in the sweep (``pick_samples_per_s_in_sweep``).
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,6 +36,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from asyncflow_core.cli.plan import run_plan
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the finished worker processes so far (the plan's simulations run in them)."""
+    import resource
+
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ch.ru_utime + ch.ru_stime
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,37 +56,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-full", type=Path, default=None, help="write the full sweep here")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-cutoff", dest="cutoff", action="store_false", help="simulate every step of every run")
+    p.add_argument("--full-steps", type=int, default=None, help="measured steps of the sweep (default: --steps)")
+    p.add_argument("--plan-only", action="store_true", help="no sweep: the plan's time, simulations and pick")
+    p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.prompts_per_step=8")
     a = p.parse_args(argv)
-    space = {"devices": a.devices, "max_k": a.max_staleness, "measured_steps": a.steps, "progress": False,
-             "cutoff": a.cutoff}
-    plan = run_plan(a.config, **space)
+    space = {"devices": a.devices, "max_k": a.max_staleness, "progress": False, "cutoff": a.cutoff}
+    t0 = time.perf_counter()
+    plan = run_plan(a.config, a.overrides, measured_steps=a.steps, **space)
+    plan_cpu = _children_cpu_s()
+    if a.plan_only:
+        cut = sum(bool(r.get("cut_off")) for r in plan.rows)
+        out = {"devices": a.devices, "candidates": plan.candidates, "plan_simulations": plan.simulated,
+               "plan_cut_off": cut, "plan_wall_s": plan.wall_s, "plan_cpu_s": plan_cpu, "pick": plan.chosen["label"],
+               "pick_samples_per_s": plan.chosen["samples_per_s"]}
+        _print(out, a.json)
+        return 0
+    full_steps = a.full_steps or a.steps
     if a.full_json is not None:
         full = json.loads(a.full_json.read_text())
     else:
-        full = asdict(run_plan(a.config, full=True, **space))
+        full = asdict(run_plan(a.config, a.overrides, full=True, measured_steps=full_steps, **space))
         if a.save_full is not None:
             a.save_full.write_text(json.dumps(full, default=str))
     best = max(full["rows"], key=lambda r: r["samples_per_s"])
     assert not best.get("cut_off"), "a sweep's best row is never cut off"
-    rate = plan.chosen["samples_per_s"]  # the pick's row in the plan: a finalist, never cut off
+    if full_steps == a.steps:
+        rate = plan.chosen["samples_per_s"]  # the pick's row in the plan: a finalist, never cut off
+    else:  # measured over other steps: the pick's row in the sweep (exact unless cut off, then an upper bound)
+        rate = next(r["samples_per_s"] for r in full["rows"] if r["label"] == plan.chosen["label"])
     above = [r for r in full["rows"] if r["label"] != plan.chosen["label"] and r["samples_per_s"] > rate]
     rank = len(above) + 1
     out = {
         "devices": a.devices, "candidates": plan.candidates, "plan_simulations": plan.simulated,
-        "plan_wall_s": plan.wall_s, "full_wall_s": full["wall_s"],
-        "pick": plan.chosen["label"], "pick_samples_per_s": rate,
+        "plan_wall_s": plan.wall_s, "plan_cpu_s": plan_cpu, "full_wall_s": full["wall_s"],
+        "full_steps": full_steps, "elapsed_s": time.perf_counter() - t0,
+        "pick": plan.chosen["label"], "pick_samples_per_s": plan.chosen["samples_per_s"],
+        "pick_samples_per_s_in_sweep": rate,
         "best": best["label"], "best_samples_per_s": best["samples_per_s"],
         "pick_vs_best": rate / best["samples_per_s"], "pick_rank_in_sweep": rank,
         "pick_rank_exact": not any(r.get("cut_off") for r in above),
         "cutoff": a.cutoff, "plan_cut_off": sum(bool(r.get("cut_off")) for r in plan.rows),
         "full_cut_off": sum(bool(r.get("cut_off")) for r in full["rows"]),
     }
-    if a.json:
+    _print(out, a.json)
+    return 0
+
+
+def _print(out: dict, as_json: bool) -> None:
+    if as_json:
         print(json.dumps(out))
-        return 0
+        return
     for key, value in out.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -217,3 +217,35 @@ def test_cut_offs_change_no_finalist_and_no_pick(monkeypatch, seed):
         else:
             assert measured[c] < r["samples_per_s"] < measured[pick]
     assert sum(r["cut_off"] for r in cut.values()) >= 3  # the floors did cut
+
+
+def test_a_simulation_measures_its_steps_as_they_run_inside_a_longer_run():
+    """The measured steps are not a run's last ones: a run's last steps have no later prompts to take the place
+    of their long groups and drain (issue 19: a k = 1 placement screened at 4.4 instead of 6.4 samples/s)."""
+    from asyncflow_core.cli.plan import _capture, simulate
+    from asyncflow_core.config.loader import read_yaml
+    from asyncflow_core.flow.clock import run_virtual
+    from asyncflow_core.flow.runtime import FlowRuntime
+
+    raw = read_yaml(EXAMPLE)
+    for cand in (Candidate(1, False, 8, 24, 8), Candidate(2, False, 8, 24, 8)):
+        warm = cand.k + 1
+        longer = load_config(data=raw, overrides=[*SMALL, *cand.overrides(), f"trainer.total_steps={warm + 6}",
+                                                  "rollout.options.payload=lengths", "trainer.checkpoint_every=0"])
+        ends = run_virtual(FlowRuntime(resolve(longer), write_png=False, roles=_capture()).run())["step_end_s"]
+        for steps in (1, 2):
+            row = simulate(raw, SMALL, cand, steps)
+            # the simulator is deterministic: the same steps take the same virtual time (ends are rounded alike)
+            assert row["samples_per_s"] == 64 * steps / (ends[warm + steps - 1] - ends[warm - 1]), (cand, steps)
+            assert row["steps"] == warm + steps and not row["cut_off"]
+
+
+def test_the_screened_search_picks_the_full_sweeps_best_on_a_small_config():
+    """Issue 19's miss, small: three nodes, one replica size, k <= 1, one finalist. With the measured steps the
+    last of their runs, k = 1 screened low and the pick was k=0 colocated at 0.87 of the sweep's best."""
+    kw = {"devices": 24, "max_k": 1, "replicas_per_node": (8,), "measured_steps": 2, "workers": 1, "progress": False}
+    full = run_plan(EXAMPLE, SMALL, full=True, cutoff=False, **kw)
+    plan = run_plan(EXAMPLE, SMALL, shortlist=2, finalists=1, **kw)
+    assert full.simulated == full.candidates == 5
+    assert plan.chosen["label"] == full.chosen["label"]
+    assert plan.chosen["samples_per_s"] == full.chosen["samples_per_s"]  # the same steps of the same simulation

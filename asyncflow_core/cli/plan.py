@@ -233,6 +233,8 @@ def _init_worker() -> None:
 
 #: the stop reason of a simulation cut off by its floor (see :func:`simulate`)
 _CUT = "plan: cut off below the floor"
+#: the stop reason of a simulation halted once its measured steps ended (the horizon past them is never run)
+_DONE = "plan: measured steps done"
 #: virtual seconds a simulation runs past the time its floor allows before it is cut (covers the rounding of
 #: step ends to microseconds in the summary, so a cut-off row is always strictly below its floor)
 _CUT_SLACK_S = 1e-3
@@ -241,6 +243,9 @@ _CUT_SLACK_S = 1e-3
 def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measured_steps: int,
              floor: float | None = None) -> dict[str, Any]:
     """Simulate one candidate: ``k + 1`` warm-up steps, then ``measured_steps``; returns its table row.
+
+    The run is configured for ``k + 1`` steps past the measured ones and halted as the last measured step ends,
+    so the measured steps run as inside a longer run (a run's last steps drain; docs/simulation.md, "Planning").
 
     ``floor`` (samples/s): stop the simulation as soon as its measured steps cannot reach it (their virtual
     time passed ``measured_steps`` x samples per step / ``floor``); the row is then marked ``cut_off`` and its
@@ -257,17 +262,20 @@ def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measure
     from asyncflow_core.flow.stage import RunStopped
 
     warm = cand.k + 1
-    cfg = load_config(data=raw, overrides=[*overrides, *cand.overrides(), f"trainer.total_steps={warm + measured_steps}",
+    # the run is told of k + 1 steps past the measured ones and halted once those are measured: a run's last steps
+    # have no later prompts to take the place of their long groups (the prompts are capped at total_steps x B), so
+    # they drain; measured, they read a step as slow as a whole rollout (docs/simulation.md, "Planning")
+    horizon = cand.k + 1
+    cfg = load_config(data=raw, overrides=[*overrides, *cand.overrides(),
+                                           f"trainer.total_steps={warm + measured_steps + horizon}",
                                            "rollout.options.payload=lengths", "trainer.checkpoint_every=0",
                                            "logging.level=WARNING"])
     per_step = cfg.data.prompts_per_step * cfg.rollout.n
     cut: dict[str, float] = {}
 
     def watch(ctx: Any) -> None:
-        if floor is None:
-            return
         loop = asyncio.get_running_loop()
-        allowed = measured_steps * per_step / floor + _CUT_SLACK_S
+        allowed = measured_steps * per_step / floor + _CUT_SLACK_S if floor is not None else 0.0
 
         def stop_if_short() -> None:
             if ctx.version < warm + measured_steps and not ctx.stop.is_set():
@@ -275,7 +283,9 @@ def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measure
                 ctx.halt(_CUT)
 
         def published(ev: VersionPublished) -> None:
-            if ev.version == warm:  # the warm-up's last step ended: the measured steps start now
+            if ev.version == warm + measured_steps and not ctx.stop.is_set():  # measured: the horizon is not run
+                ctx.halt(_DONE)
+            if floor is not None and ev.version == warm:  # the warm-up's last step ended: measured steps start
                 cut["from"] = loop.time()
                 loop.call_at(cut["from"] + allowed, stop_if_short)
 
@@ -286,8 +296,8 @@ def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measure
     t0 = time.perf_counter()
     try:
         summary = run_virtual(runtime.run())
-    except RunStopped:
-        if "at" not in cut:
+    except RunStopped as exc:
+        if "at" not in cut and _DONE not in str(exc):
             raise
         summary = runtime.summary
     wall = time.perf_counter() - t0
