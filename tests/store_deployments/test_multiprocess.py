@@ -175,3 +175,28 @@ def test_zero_copy_views_keep_their_range_until_dropped():
         await store.close()
 
     run(go())
+
+
+def test_a_new_server_directory_removes_those_of_killed_servers_and_keeps_live_ones(tmp_path):
+    """A killed server cannot remove its directory (socket + arena, on tmpfs its touched pages stay in memory):
+    the next one removes this user's directories whose process is gone, and no other."""
+    import subprocess
+    import sys
+
+    from asyncflow_core.store.deployments.channel import private_dir, sweep_dead_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer exists (reaped)
+    dead = tmp_path / f"asyncflow-store-{gone.pid}-abc"
+    live = tmp_path / f"asyncflow-store-{os.getpid()}-def"
+    other = tmp_path / "asyncflow-store-lane-xyz"  # not a server directory's name
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "arena").write_bytes(b"x" * 64)
+    assert sweep_dead_dirs(str(tmp_path), "asyncflow-store-") == [str(dead)]
+    assert not dead.exists() and live.exists() and other.exists()
+    mine = private_dir()
+    try:
+        assert os.path.basename(mine).startswith(f"asyncflow-store-{os.getpid()}-")
+    finally:
+        os.rmdir(mine)

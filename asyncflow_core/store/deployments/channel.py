@@ -25,7 +25,9 @@ import asyncio
 import contextlib
 import hmac
 import os
+import re
 import secrets
+import shutil
 import socket
 import struct
 import tempfile
@@ -51,11 +53,46 @@ def new_token() -> str:
 
 
 def private_dir(prefix: str = "asyncflow-store-") -> str:
-    """A new directory only this user can enter (0700), on tmpfs when available."""
+    """A new directory only this user can enter (0700), on tmpfs when available.
+
+    Its name carries this process's id (``<prefix><pid>-<random>``): a server
+    that is killed cannot remove its directory (and the arena file in it,
+    whose touched pages stay in memory on tmpfs), so each new one first
+    removes this user's directories of ``prefix`` whose process is gone.
+    """
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    path = tempfile.mkdtemp(prefix=prefix, dir=base)
+    sweep_dead_dirs(base or tempfile.gettempdir(), prefix)
+    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=base)
     os.chmod(path, 0o700)
     return path
+
+
+def sweep_dead_dirs(base: str, prefix: str) -> list[str]:
+    """Remove this user's ``<prefix><pid>-*`` directories under ``base`` whose process no longer exists; their
+    paths."""
+    removed = []
+    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            match = pattern.match(entry.name)
+            if not match or not entry.is_dir(follow_symlinks=False) or _alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+                shutil.rmtree(entry.path)
+                removed.append(entry.path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _mac(token: str, tag: bytes, a: bytes, b: bytes) -> bytes:
