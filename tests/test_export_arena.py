@@ -9,6 +9,7 @@ Reuse is observed through the buffers' data pointers.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -293,93 +294,88 @@ async def aiter_of(items):
 # ---------------------------------------------------------------- shm: packed straight into the segment
 
 
-def test_shm_packs_straight_into_the_slot_its_next_send_writes() -> None:
+def with_shm_sender(body: Callable[[ShmWeightTransport], Awaitable[None]]) -> None:
+    """Run ``await body(sender)`` with a new shm sender, closed afterwards whatever happens."""
+
     async def main() -> None:
         sender = ShmWeightTransport(ShmTransportConfig())
         try:
-            places = []
-            for v in (1, 2, 3, 4):
-                sent = list(pack_buckets(weights(v), version=v, bucket_bytes=2048, allocate=sender.allocator()))
-                places.append(pointers(sent))
-                await sender.send(aiter_of(sent), deadline_s=DEADLINE_S)
-                del sent
-                got = [b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)]
-                assert [b.checksum for b in got] == [b.checksum for b in export(None, v)]
-                assert_intact(got, snapshot(export(None, v)))
-            stats = sender.stats()
-            nbytes = sum(b.nbytes for b in export(None, 1))
-            # the first version sizes the segment (copied in); every later one was packed in place, no copy
-            assert stats == {"in_place_bytes": 3 * nbytes, "copied_bytes": nbytes, "slots_held": 0}
-            assert places[1] == places[3] and places[1].isdisjoint(places[2])  # the two slots, alternately
+            await body(sender)
         finally:
             await sender.close()
 
     asyncio.run(main())
+
+
+async def receive(sender: ShmWeightTransport, v: int) -> list[WeightBucket]:
+    """The newest version ``>= v`` (mapped), checked to carry the checksums version ``v`` was packed with."""
+    got = [b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)]
+    assert [b.checksum for b in got] == [b.checksum for b in export(None, v)]
+    return got
+
+
+def test_shm_packs_straight_into_the_slot_its_next_send_writes() -> None:
+    async def body(sender: ShmWeightTransport) -> None:
+        places = []
+        for v in (1, 2, 3, 4):
+            sent = packed(sender, v)
+            places.append(pointers(sent))
+            await sender.send(aiter_of(sent), deadline_s=DEADLINE_S)
+            del sent
+            assert_intact(await receive(sender, v), snapshot(export(None, v)))
+        stats = sender.stats()
+        nbytes = sum(b.nbytes for b in export(None, 1))
+        # the first version sizes the segment (copied in); every later one was packed in place, no copy
+        assert stats == {"in_place_bytes": 3 * nbytes, "copied_bytes": nbytes, "slots_held": 0}
+        assert places[1] == places[3] and places[1].isdisjoint(places[2])  # the two slots, alternately
+
+    with_shm_sender(body)
 
 
 def test_shm_a_receiver_reading_the_slot_being_packed_retries_instead_of_reading_torn_bytes() -> None:
-    async def main() -> None:
-        sender = ShmWeightTransport(ShmTransportConfig())
-        try:
-            for v in (1, 2):
-                sent = list(pack_buckets(weights(v), version=v, bucket_bytes=2048, allocate=sender.allocator()))
-                await sender.send(aiter_of(sent), deadline_s=DEADLINE_S)
-                if v == 1:
-                    stale = sender._staged  # a slow receiver read this manifest (version 1, slot A) ...
-                del sent
-            packing = sender.allocator()
-            packing(64)  # ... and version 3 starts packing into slot A, the one not holding version 2
-            assert sender._read_version(stale) is None  # the header says "being written": the receiver retries
-            got = [b async for b in sender.receive(min_version=1, deadline_s=DEADLINE_S)]
-            assert [b.version for b in got] == [2] * len(got)
-        finally:
-            await sender.close()
+    async def body(sender: ShmWeightTransport) -> None:
+        await sender.send(aiter_of(packed(sender, 1)), deadline_s=DEADLINE_S)
+        stale = sender._staged  # a slow receiver read this manifest (version 1, slot A) ...
+        await sender.send(aiter_of(packed(sender, 2)), deadline_s=DEADLINE_S)
+        packing = sender.allocator()
+        packing(64)  # ... and version 3 starts packing into slot A, the one not holding version 2
+        assert sender._read_version(stale) is None  # the header says "being written": the receiver retries
+        got = [b async for b in sender.receive(min_version=1, deadline_s=DEADLINE_S)]
+        assert [b.version for b in got] == [2] * len(got)
 
-    asyncio.run(main())
+    with_shm_sender(body)
 
 
 def test_shm_never_overwrites_packed_buckets_something_still_holds() -> None:
-    async def main() -> None:
-        sender = ShmWeightTransport(ShmTransportConfig())
-        try:
-            await sender.send(aiter_of(export(None, 1)), deadline_s=DEADLINE_S)
-            held = {}
-            for v in (2, 3, 4):  # every version packed into shared memory and sent, and all of them kept
-                held[v] = list(pack_buckets(weights(v), version=v, bucket_bytes=2048, allocate=sender.allocator()))
-                saved = snapshot(held[v])
-                await sender.send(aiter_of(held[v]), deadline_s=DEADLINE_S)
-                held[v] = (held[v], saved)
-            for buckets, saved in held.values():
-                assert_intact(buckets, saved)
-            # packed but not sent, then an older version sent the copying way: the packed bytes survive, and
-            # sending them later copies them from where they lie
-            v6 = list(pack_buckets(weights(6), version=6, bucket_bytes=2048, allocate=sender.allocator()))
-            saved6 = snapshot(v6)
-            await sender.send(aiter_of(export(None, 5)), deadline_s=DEADLINE_S)
-            assert_intact(v6, saved6)
-            await sender.send(aiter_of(v6), deadline_s=DEADLINE_S)
-            got = [b async for b in sender.receive(min_version=6, deadline_s=DEADLINE_S)]
-            assert [b.checksum for b in got] == [b.checksum for b in export(None, 6)]
-            assert_intact(got, saved6)
-        finally:
-            await sender.close()
+    async def body(sender: ShmWeightTransport) -> None:
+        await sender.send(aiter_of(export(None, 1)), deadline_s=DEADLINE_S)
+        held = {}
+        for v in (2, 3, 4):  # every version packed into shared memory and sent, and all of them kept
+            held[v] = packed(sender, v)
+            saved = snapshot(held[v])
+            await sender.send(aiter_of(held[v]), deadline_s=DEADLINE_S)
+            held[v] = (held[v], saved)
+        for buckets, saved in held.values():
+            assert_intact(buckets, saved)
+        # packed but not sent, then an older version sent the copying way: the packed bytes survive, and
+        # sending them later copies them from where they lie
+        v6 = packed(sender, 6)
+        saved6 = snapshot(v6)
+        await sender.send(aiter_of(export(None, 5)), deadline_s=DEADLINE_S)
+        assert_intact(v6, saved6)
+        await sender.send(aiter_of(v6), deadline_s=DEADLINE_S)
+        assert_intact(await receive(sender, 6), saved6)
 
-    asyncio.run(main())
+    with_shm_sender(body)
 
 
 def test_shm_without_a_storage_use_count_copies_every_version(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(torch._C, "_storage_Use_Count")
 
-    async def main() -> None:
-        sender = ShmWeightTransport(ShmTransportConfig())
-        try:
-            for v in (1, 2, 3):
-                sent = list(pack_buckets(weights(v), version=v, bucket_bytes=2048, allocate=sender.allocator()))
-                await sender.send(aiter_of(sent), deadline_s=DEADLINE_S)
-                got = [b async for b in sender.receive(min_version=v, deadline_s=DEADLINE_S)]
-                assert [b.checksum for b in got] == [b.checksum for b in sent]
-            assert sender.stats()["in_place_bytes"] == 0  # it cannot tell who holds a segment: never packs into one
-        finally:
-            await sender.close()
+    async def body(sender: ShmWeightTransport) -> None:
+        for v in (1, 2, 3):
+            await sender.send(aiter_of(packed(sender, v)), deadline_s=DEADLINE_S)
+            await receive(sender, v)
+        assert sender.stats()["in_place_bytes"] == 0  # it cannot tell who holds a segment: never packs into one
 
-    asyncio.run(main())
+    with_shm_sender(body)

@@ -134,7 +134,7 @@ def test_segments_of_a_killed_rank_are_removed_by_the_next_rank():
 
 @needs_dev_shm
 def test_a_full_shared_memory_file_system_is_refused_in_one_line_and_kept_segments_yield_to_fresh(monkeypatch):
-    from asyncflow_core.launchers import rank_worker
+    from asyncflow_core import kept_segments
 
     worker = _Worker()
     try:
@@ -143,7 +143,7 @@ def test_a_full_shared_memory_file_system_is_refused_in_one_line_and_kept_segmen
         worker = _Worker()
         # room for the largest bucket but not for keeping it beside the next: such buckets go to fresh segments
         free = nbytes + 1
-        monkeypatch.setattr(rank_worker, "shm_free_bytes", lambda _d: free)
+        monkeypatch.setattr(kept_segments, "shm_free_bytes", lambda _d: free)
         got = _export(worker, 2)
         stats = worker._segments.stats()
         tight = [b for b in got if 2 * b.nbytes > free]
@@ -153,7 +153,7 @@ def test_a_full_shared_memory_file_system_is_refused_in_one_line_and_kept_segmen
         assert all(torch.equal(t, want[n]) for b in got for n, t in b.tensors())
         del got
         # no room at all: one line naming the file system and the fix, never a SIGBUS on the first page past it
-        monkeypatch.setattr(rank_worker, "shm_free_bytes", lambda _d: 1024)
+        monkeypatch.setattr(kept_segments, "shm_free_bytes", lambda _d: 1024)
         with pytest.raises(RuntimeError, match=r"^/dev/shm has 0 MiB free but a weight bucket needs .*--shm-size"):
             _export(worker, 3)
         assert not list(Path("/dev/shm").glob(f"asyncflow-rankx-{os.getpid()}-*"))  # nothing half-made left

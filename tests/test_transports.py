@@ -11,6 +11,7 @@ sender. Processes talk to the test over pipes, and every wait has a limit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import glob
@@ -364,21 +365,36 @@ def _segment_locked(path: Path) -> bool:
         return False
 
 
-@pytest.mark.skipif(SHM_DIR is None, reason="needs /dev/shm")
-def test_shm_a_segment_another_process_maps_is_kept_until_it_dies():
-    """The receiver maps (no copy) under a shared lock: two more sends take other segments; its death frees it."""
+@contextlib.asynccontextmanager
+async def _version_1_held_by_another_process():
+    """A sender that staged version 1, which a receiver in another process maps (``_shm_holder``):
+    ``(sender, version 1's segment, pipe to the receiver, its process)``. On the way out the receiver is killed
+    and the sender closed, and nothing of the transport's name may be left in shared memory."""
     name = f"m{uuid.uuid4().hex[:10]}"
     parent, child = ctx().Pipe()
     proc = ctx().Process(target=child_main, args=(_shm_holder, child, name))
+    t = ShmWeightTransport(ShmTransportConfig(name=name))
+    try:
+        await t.send(aiter(buckets(1)), deadline_s=30)
+        v1, _ = shm_segment_path(t)
+        proc.start()
+        assert expect(parent, what="the receiver to map version 1") == ("holding", True)
+        assert _segment_locked(v1)
+        yield t, v1, parent, proc
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(WAIT_S)
+        await t.close()
+    assert shm_files(name) == []
+
+
+@pytest.mark.skipif(SHM_DIR is None, reason="needs /dev/shm")
+def test_shm_a_segment_another_process_maps_is_kept_until_it_dies():
+    """The receiver maps (no copy) under a shared lock: two more sends take other segments; its death frees it."""
 
     async def body():
-        t = ShmWeightTransport(ShmTransportConfig(name=name))
-        try:
-            await t.send(aiter(buckets(1)), deadline_s=30)
-            v1, _ = shm_segment_path(t)
-            proc.start()
-            assert expect(parent, what="the receiver to map version 1") == ("holding", True)
-            assert _segment_locked(v1)
+        async with _version_1_held_by_another_process() as (t, v1, parent, proc):
             await t.send(aiter(buckets(2)), deadline_s=30)
             await t.send(aiter(buckets(3)), deadline_s=30)  # version 1's slot is mapped: a new segment
             v3, _ = shm_segment_path(t)
@@ -387,38 +403,14 @@ def test_shm_a_segment_another_process_maps_is_kept_until_it_dies():
             assert expect(parent, what="the receiver to re-read version 1") == ("intact", True)
             assert same_as(await received(t, min_version=3), 3)
             assert not _segment_locked(v3)  # this process mapped version 3 and dropped it: no lock left behind
-            proc.kill()
-            proc.join(WAIT_S)
-        finally:
-            if proc.is_alive():
-                proc.kill()
-            await t.close()
-        assert shm_files(name) == []
 
     run(body())
 
 
-async def _shm_killed_holder(conn, name: str) -> None:
-    t = ShmWeightTransport(ShmTransportConfig(name=name))
-    held = [b async for b in t.receive(min_version=1, deadline_s=WAIT_S)]
-    conn.send(("holding", held[0].version))
-    conn.recv()  # never comes: killed
-
-
 @pytest.mark.skipif(SHM_DIR is None, reason="needs /dev/shm")
 def test_shm_a_receiver_that_dies_releases_its_segment():
-    name = f"k{uuid.uuid4().hex[:10]}"
-    parent, child = ctx().Pipe()
-    proc = ctx().Process(target=child_main, args=(_shm_killed_holder, child, name))
-
     async def body():
-        t = ShmWeightTransport(ShmTransportConfig(name=name))
-        try:
-            await t.send(aiter(buckets(1)), deadline_s=30)
-            v1, _ = shm_segment_path(t)
-            proc.start()
-            assert expect(parent, what="the receiver to map version 1") == ("holding", 1)
-            assert _segment_locked(v1)
+        async with _version_1_held_by_another_process() as (t, v1, _, proc):
             proc.kill()  # SIGKILL: no close, no finalizer; the kernel drops its lock with its files
             proc.join(WAIT_S)
             assert not _segment_locked(v1)
@@ -426,11 +418,30 @@ def test_shm_a_receiver_that_dies_releases_its_segment():
             await t.send(aiter(buckets(3)), deadline_s=30)
             assert shm_segment_path(t)[0] == v1 and t.stats()["slots_held"] == 0  # its slot is reused
             assert same_as(await received(t, min_version=3), 3)
+
+    run(body())
+
+
+@pytest.mark.skipif(SHM_DIR is None, reason="needs /dev/shm")
+def test_shm_a_full_shared_memory_file_system_is_refused_in_one_line(monkeypatch):
+    """tmpfs grants a segment of any size and then SIGBUSes the writer past its limit: the sender checks first."""
+    from asyncflow_core import kept_segments
+
+    async def body():
+        t = ShmWeightTransport(ShmTransportConfig(name=f"f{uuid.uuid4().hex[:10]}"))
+        try:
+            await t.send(aiter(buckets(1)), deadline_s=30)
+            monkeypatch.setattr(kept_segments, "shm_free_bytes", lambda _d: 1024)
+            with pytest.raises(WeightTransferError,
+                               match=r"^/dev/shm has 0 MiB free but a weight version needs .*--shm-size"):
+                await t.send(aiter(buckets(2)), deadline_s=30)  # its slot has no segment yet: it needs a new one
+            assert same_as(await received(t, min_version=1), 1)  # the staged version stays current
+            monkeypatch.undo()
+            await t.send(aiter(buckets(3)), deadline_s=30)  # room again: the same sender goes on
+            assert same_as(await received(t, min_version=3), 3)
         finally:
-            if proc.is_alive():
-                proc.kill()
             await t.close()
-        assert shm_files(name) == []
+        assert shm_files(t.name) == []
 
     run(body())
 

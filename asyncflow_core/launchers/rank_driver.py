@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import mmap
 import os
@@ -37,6 +36,7 @@ import torch
 from asyncflow_core import columns as C
 from asyncflow_core.errors import EngineError
 from asyncflow_core.interfaces import Algorithm, LossContext
+from asyncflow_core.kept_segments import map_shared
 from asyncflow_core.launchers.rank_worker import FRESH_PREFIX, KEPT_PREFIX, SHM_DIR
 from asyncflow_core.launchers.ranks import RankHandle
 from asyncflow_core.types import Batch, RaggedTensor, WeightBucket
@@ -243,14 +243,12 @@ def from_shared_memory(name: str, nbytes: int, *, kept: bool | None = None) -> t
             raise EngineError(f"the rank's shared-memory segment {name} is gone (was its rank closed or killed "
                               "during the export?); export the weights again") from None
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise EngineError(f"the rank is still writing shared-memory segment {name}; this is a bug in the "
-                                  "rank's export, please report it") from None
-            mapped = mmap.mmap(fd, nbytes)  # keeps a duplicate of fd, and with it the lock, until it unmaps
+            mapped = map_shared(fd, nbytes)  # keeps a duplicate of fd, and with it the shared lock, until it unmaps
         finally:
             os.close(fd)
+        if mapped is None:
+            raise EngineError(f"the rank is still writing shared-memory segment {name}; this is a bug in the "
+                              "rank's export, please report it")
         return torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes)
     if nbytes > 0 and path.is_file():
         fd = os.open(path, os.O_RDWR)

@@ -23,8 +23,6 @@ subclasses it, sets ``engine_name`` and implements ``setup``, ``logprobs``,
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import mmap
 import os
@@ -33,8 +31,6 @@ import re
 import shutil
 import socket
 import traceback
-import uuid
-import weakref
 from collections.abc import Iterable
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
@@ -46,6 +42,9 @@ import torch
 import torch.distributed as dist
 
 from asyncflow_core import columns as C
+from asyncflow_core import kept_segments
+from asyncflow_core.kept_segments import SHM_DIR, KeptSegment, SegmentKeeper
+from asyncflow_core.processes import sweep_dead
 from asyncflow_core.types import Batch, RaggedTensor, pack_buckets
 from asyncflow_core.types.weights import BUCKET_ALIGNMENT
 
@@ -143,62 +142,11 @@ def plan_chunks(items: Iterable[tuple[T, int]], bucket_bytes: int) -> list[list[
     return chunks
 
 
-#: Where POSIX shared-memory segments appear as files (Linux); the driver (rank_driver) maps them from here
-SHM_DIR = Path("/dev/shm")
 #: Name prefix of the segments a rank keeps across exports (the driver maps them and never unlinks them)
 KEPT_PREFIX = "asyncflow-rank-"
 #: Name prefix of a fresh segment a rank hands over when all of a bucket's kept ones are mapped (the driver unlinks it)
 FRESH_PREFIX = "asyncflow-rankx-"
 _OURS = re.compile(r"^asyncflow-rankx?-(\d+)-[0-9a-f]{12}-\d+$")
-
-
-class _KeptSegment:
-    """One kept segment: its file, the rank's descriptor (for the lock) and a read-write mapping."""
-
-    def __init__(self, path: Path, size: int) -> None:
-        self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(self.fd, size)
-            self.map = mmap.mmap(self.fd, size)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.path = path
-        self.size = size
-        self.inode = os.fstat(self.fd).st_ino
-        self.view: torch.Tensor | None = torch.frombuffer(self.map, dtype=torch.uint8)
-
-    def try_lock(self) -> bool:
-        """Take the segment for writing: no driver maps it (its shared lock) and its name still names this file."""
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        try:
-            named = os.stat(self.path).st_ino == self.inode
-        except FileNotFoundError:
-            named = False
-        if not named:  # someone unlinked it (an older driver unlinks what it maps): the driver could not open it
-            self.unlock()
-        return named
-
-    def unlock(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        self.view = None  # the rank's bucket views are gone by now: nothing of this process uses the mapping
-        with contextlib.suppress(BufferError, ValueError):
-            self.map.close()
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-
-def _close_all(segments: list[_KeptSegment]) -> None:
-    for segment in segments:
-        segment.close()
-    segments.clear()
 
 
 class KeptSegments:
@@ -210,41 +158,29 @@ class KeptSegments:
     export packs the bucket straight into one (``pack_buckets(...,
     allocate=)``: one copy, no private buffer first) that no driver maps.
 
-    The protocol is a file lock, so neither side sends a message when it is
-    done: the driver maps a kept segment with a shared ``flock`` held for as
-    long as its mapping lives (the lock belongs to the open file, and
-    ``mmap`` keeps a duplicate of the descriptor until it unmaps), and the
-    rank rewrites a segment only after taking the exclusive lock without
-    waiting, which fails while any driver still maps it: a driver holding
-    the previous version (a transport has it staged) keeps its segments,
-    and the rank packs into another. The driver never unlinks a kept
-    segment; the rank unlinks them when it closes (or its process exits),
-    and segments of a rank that was killed are removed by the next rank
-    that starts on the host (their pid, in the name, is dead). The lock of
-    a driver that dies goes with its process. With every kept segment of a
-    position mapped, a bucket gets a fresh segment that the driver unlinks
-    (as before).
+    The protocol is :mod:`asyncflow_core.kept_segments` (the ``shm`` weight
+    transport's too): the driver maps a kept segment under a shared
+    ``flock`` held for as long as its mapping lives, and the rank rewrites a
+    segment only after taking the exclusive lock without waiting, which
+    fails while any driver still maps it: a driver holding the previous
+    version (a transport has it staged) keeps its segments, and the rank
+    packs into another. The driver never unlinks a kept segment; the rank
+    unlinks them when it closes (or its process exits), and segments of a
+    rank that was killed are removed by the next rank that starts on the
+    host (their pid, in the name, is dead). The lock of a driver that dies
+    goes with its process. With every kept segment of a position mapped, or
+    no room in ``/dev/shm`` to keep one more, a bucket gets a fresh segment
+    that the driver unlinks (as before).
     """
 
     def __init__(self, *, directory: Path = SHM_DIR, max_per_bucket: int = 2) -> None:
         self.dir = Path(directory)
         self.max_per_bucket = max_per_bucket
-        self._token = uuid.uuid4().hex[:12]
-        self._count = 0
-        self._kept: dict[tuple[int, int], list[_KeptSegment]] = {}
-        self._all: list[_KeptSegment] = []
-        self._locked: list[_KeptSegment] = []
+        sweep_dead(self.dir, _OURS)  # segments of ranks that died without closing
+        self._keeper = SegmentKeeper(self.dir, KEPT_PREFIX)
+        self._kept: dict[tuple[int, int], list[KeptSegment]] = {}
+        self._locked: list[KeptSegment] = []
         self._stats = {"reused_bytes": 0, "kept_new_bytes": 0, "fresh_bytes": 0}
-        self._finalizer = weakref.finalize(self, _close_all, self._all)
-        self._sweep()
-
-    def _sweep(self) -> None:
-        """Remove kept segments of ranks that died without closing (their pid is in the name and not alive)."""
-        for path in self.dir.glob("asyncflow-rank*"):
-            match = _OURS.match(path.name)
-            if match and not _pid_alive(int(match.group(1))):
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
 
     def allocator(self, chunk: int, named: dict[int, tuple[str, bool]]) -> Any:
         """``allocate(nbytes)`` for one chunk's buckets; records each bucket's segment name and whether it is kept."""
@@ -256,8 +192,7 @@ class KeptSegments:
             segment = self._take(key, nbytes)
             if segment is None:  # every kept segment of this position is mapped: a fresh one, unlinked by the driver
                 self._stats["fresh_bytes"] += nbytes
-                self._count += 1
-                path = self.dir / f"{FRESH_PREFIX}{os.getpid()}-{self._token}-{self._count}"
+                path = self._keeper.name(prefix=FRESH_PREFIX)
                 named[key[1]] = (path.name, False)
                 return _fresh_segment(path, nbytes)
             named[key[1]] = (segment.path.name, True)
@@ -266,7 +201,7 @@ class KeptSegments:
 
         return allocate
 
-    def _take(self, key: tuple[int, int], nbytes: int) -> _KeptSegment | None:
+    def _take(self, key: tuple[int, int], nbytes: int) -> KeptSegment | None:
         kept = self._kept.setdefault(key, [])
         for segment in list(kept):
             if segment.try_lock():
@@ -278,18 +213,14 @@ class KeptSegments:
             elif segment.path.exists():
                 continue  # a driver maps it
             kept.remove(segment)  # too small, or unlinked by someone else: of no further use
-            self._all.remove(segment)
-            segment.close()
+            self._keeper.drop(segment)
         if len(kept) >= self.max_per_bucket or nbytes == 0:
             return None
-        free = shm_free_bytes(self.dir)
+        free = kept_segments.shm_free_bytes(self.dir)
         if free is not None and free < 2 * nbytes:  # keeping one more would leave no room for the next bucket
             return None
-        self._count += 1
-        segment = _KeptSegment(self.dir / f"{KEPT_PREFIX}{os.getpid()}-{self._token}-{self._count}", nbytes)
-        fcntl.flock(segment.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else can have it open yet
+        segment = self._keeper.create(nbytes)  # holds its exclusive lock: nobody else can have it open yet
         kept.append(segment)
-        self._all.append(segment)
         self._locked.append(segment)
         self._stats["kept_new_bytes"] += nbytes
         return segment
@@ -302,46 +233,16 @@ class KeptSegments:
 
     def stats(self) -> dict[str, int]:
         """Bytes packed into reused kept segments, into new kept ones, and into fresh unkept ones; segments kept."""
-        return {**self._stats, "segments": len(self._all)}
+        return {**self._stats, "segments": len(self._keeper)}
 
     def close(self) -> None:
         self._locked = []
-        self._finalizer()
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def shm_free_bytes(directory: Path) -> int | None:
-    """Bytes free in the shared-memory file system at ``directory``; None when it cannot be asked."""
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def check_shm_room(directory: Path, nbytes: int) -> None:
-    """Refuse in one line a segment the file system has no room for: tmpfs grants the size at once and then kills
-    the writer with SIGBUS on the first page past its limit."""
-    free = shm_free_bytes(directory)
-    if free is not None and free < nbytes:
-        raise RuntimeError(
-            f"{directory} has {free / 2**20:.0f} MiB free but a weight bucket needs {nbytes / 2**20:.0f} MiB: "
-            "give this host more shared memory (a container's default is often 64 MiB: docker run --shm-size=16g) "
-            "or stop what fills it")
+        self._keeper.close()
 
 
 def _fresh_segment(path: Path, nbytes: int) -> torch.Tensor:
     """A new segment file the driver owns (it maps and unlinks it): a writable view of it."""
-    check_shm_room(path.parent, nbytes)
+    kept_segments.check_shm_room(path.parent, nbytes)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, max(nbytes, 1))
@@ -517,5 +418,5 @@ class RankWorkerBase:
 
 
 __all__ = ["DTYPES", "EMPTY_PASS", "FRESH_PREFIX", "KEPT_PREFIX", "SHM_DIR", "TOKENIZER_FILES", "KeptSegments",
-           "RankWorkerBase", "aligned", "check_shm_room", "load_algorithm", "loopback_interface", "plan_chunks",
-           "rank_device", "serve", "shm_free_bytes", "to_shared_memory"]
+           "RankWorkerBase", "aligned", "load_algorithm", "loopback_interface", "plan_chunks", "rank_device", "serve",
+           "to_shared_memory"]

@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from asyncflow_core.errors import WeightTransferError
 from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport, check_whole_version
+from asyncflow_core.processes import sweep_dead
 from asyncflow_core.types import TensorMeta, WeightBucket
 from asyncflow_plugins.weight_transports.config import DiskTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
@@ -45,7 +46,6 @@ from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
     manifest_for,
     parse_manifest,
-    pid_alive,
     verify_all,
 )
 
@@ -174,10 +174,7 @@ class DiskWeightTransport(WeightTransport):
                 shutil.rmtree(doomed, ignore_errors=True)
 
     def _sweep_stale(self) -> None:
-        for entry in os.scandir(self.root):
-            match = _TMP_DIR.match(entry.name)
-            if match and not pid_alive(int(match.group(1))):
-                shutil.rmtree(entry.path, ignore_errors=True)
+        sweep_dead(self.root, _TMP_DIR, directories=True)  # temporary directories of senders that were killed
         self._swept = True
 
     # --------------------------------------------------------------- receive

@@ -12,7 +12,6 @@ without executing anything.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Collection, Sequence
 from typing import Literal, TypeVar
@@ -195,13 +194,3 @@ def copy_into(payload: torch.Tensor, manifest: VersionManifest, buckets: Sequenc
         return
     list(digest_pool().map(lambda job: np.copyto(*job), jobs))
 
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a sender that left files behind and may be gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -14,7 +14,7 @@ files under ``directory`` (``/dev/shm``, i.e. RAM):
   Each segment starts with a 64-byte header (generation, state, version).
 
 Who may write a segment is a file lock (``flock``), as for the rank
-segments (``asyncflow_core/launchers/rank_worker.py``, ``KeptSegments``):
+segments (both use :mod:`asyncflow_core.kept_segments`):
 the sender writes a segment only while it holds the exclusive lock, taken
 without waiting, and a receiver reads one only under a shared lock. A
 receiver that maps a version keeps its shared lock for as long as the
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import mmap
 import os
 import re
@@ -65,7 +64,17 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from asyncflow_core.errors import WeightTransferError
 from asyncflow_core.interfaces import TransferReport, TransportFeatures, WeightTransport, check_whole_version
+from asyncflow_core.kept_segments import KeptSegment, SegmentKeeper, map_shared
+from asyncflow_core.processes import pid_alive, sweep_dead
 from asyncflow_core.types import WeightBucket
+from asyncflow_core.types.weights import (
+    _storage_users,
+    digest_leaf,
+    digest_pool,
+    digest_root,
+    digest_spans,
+    verify_buckets,
+)
 from asyncflow_plugins.weight_transports.config import ShmTransportConfig
 from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
@@ -74,15 +83,6 @@ from asyncflow_plugins.weight_transports.manifest import (
     copy_into,
     manifest_for,
     parse_manifest,
-    pid_alive,
-)
-from asyncflow_core.types.weights import (
-    _storage_users,
-    digest_leaf,
-    digest_pool,
-    digest_root,
-    digest_spans,
-    verify_buckets,
 )
 
 FEATURES = TransportFeatures(cross_process=True, cross_host=False, devices=("cpu",))
@@ -107,76 +107,28 @@ class ShmManifest(BaseModel):
     weights: VersionManifest = Field(description="Tensor layout and checksums of the version.")
 
 
-class _Segment:
-    """A sender-owned segment file, mapped read-write."""
+class _Segment(KeptSegment):
+    """A sender-owned segment (a slot's), with the 64-byte header receivers check against the manifest."""
 
     def __init__(self, path: Path, size: int) -> None:
-        self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(self.fd, size)
-            self.map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: no receiver can have it open yet
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.path = path
-        self.size = size
-        self.view = torch.frombuffer(self.map, dtype=torch.uint8)
-        self._own = _storage_users(self.view)  # the users this object accounts for (its own view)
-        self.version: int | None = None
+        super().__init__(path, size)
         #: the generation an allocator set when it began packing a version into this segment, else None
         self.packing: int | None = None
 
-    def try_lock(self) -> bool:
-        """Take the segment for writing: fails (without waiting) while any receiver maps it (its shared lock).
-
-        Taking it again while this object holds it succeeds (the lock belongs to this open file).
-        """
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        return True
-
-    def unlock(self) -> None:
-        """After publishing: receivers may map it (they take the shared lock)."""
-        with contextlib.suppress(OSError, ValueError):
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-
     def set_header(self, generation: int, state: int, version: int) -> None:
+        assert self.map is not None
         HEADER.pack_into(self.map, 0, MAGIC, generation, state, version)
-
-    def held_outside(self) -> bool:
-        """Whether anything beside this object uses the mapping (buckets packed into it, views of them).
-
-        ``False`` when torch cannot count: then nothing is ever packed into a segment (``allocator`` hands
-        out fallback buffers only), so nothing outside can hold it.
-        """
-        users = _storage_users(self.view)
-        return users is not None and self._own is not None and users > self._own
 
     def place(self, buffer: torch.Tensor) -> int | None:
         """The payload offset of ``buffer`` when it lies in this segment's payload, else None."""
-        if buffer.device.type != "cpu" or buffer.untyped_storage().data_ptr() != self.view.untyped_storage().data_ptr():
+        if (self.view is None or buffer.device.type != "cpu"
+                or buffer.untyped_storage().data_ptr() != self.view.untyped_storage().data_ptr()):
             return None
         return buffer.data_ptr() - self.view.data_ptr() - HEADER_BYTES
 
     def close(self) -> None:
         self.packing = None
-        held = self.view is not None and self.held_outside()
-        self.view = None
-        if not held and self.map is not None:
-            with contextlib.suppress(BufferError, ValueError):
-                self.map.close()
-        # else buckets packed into it still use the mapping: torch.frombuffer holds no buffer export that would
-        # make close() refuse, so unmapping now would leave them dangling; their storage keeps the mmap object
-        # alive and it unmaps when the last of them goes
-        self.map = None
-        self.unlock()  # the mapping's duplicate descriptor (if buckets keep it) shares the lock: drop it first
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        super().close()
 
 
 def _unlink_all(paths: list[Path]) -> None:
@@ -194,18 +146,19 @@ class ShmWeightTransport(WeightTransport):
         self.dir = directory if directory.is_dir() else Path(tempfile.gettempdir())
         self.name = self.config.name or f"private.{uuid.uuid4().hex[:12]}"
         self.manifest_path = self.dir / f"{PREFIX}{self.name}.json"
-        self._token = uuid.uuid4().hex[:12]
+        # the slots' segments: <PREFIX><name>-<pid>-<token>-<slot><n>, closed (unlinked) by close(), GC or exit
+        self._keeper = SegmentKeeper(self.dir, f"{PREFIX}{self.name}-")
+        self._token = self._keeper.token
         self._slots: dict[str, _Segment] = {}
         self._staged: ShmManifest | None = None
         self._generation = 0
-        self._counter = 0
         self._lock = threading.Lock()
         self._closed = False
         # reuse_buffers: a receiver maps the sender's kept segments (no copy); off: it copies into fresh memory
         self._map = self.config.reuse_buffers
         self._stats = {"in_place_bytes": 0, "copied_bytes": 0, "slots_held": 0}
         self._needed: int | None = None  # segment bytes the last staged version took: what allocator() lays out
-        # unlinks whatever this sender created if close() is never called (GC or interpreter exit)
+        # unlinks the manifest files this sender wrote if close() is never called (GC or interpreter exit)
         self._owned: list[Path] = []
         self._finalizer = weakref.finalize(self, _unlink_all, self._owned)
 
@@ -286,13 +239,12 @@ class ShmWeightTransport(WeightTransport):
         return "b" if holds_current else "a"
 
     def _new_segment(self, slot: str, size: int) -> _Segment:
-        old = self._slots.get(slot)
+        old = self._slots.pop(slot, None)
         if old is not None:
-            old.close()  # receivers mapping it, or buckets packed into it, keep their mapping; the name goes away
-        self._counter += 1
-        path = self.dir / f"{PREFIX}{self.name}-{os.getpid()}-{self._token}-{slot}{self._counter}"
-        self._owned.append(path)
-        segment = self._slots[slot] = _Segment(path, size)
+            self._keeper.drop(old)  # receivers mapping it, or buckets packed into it, keep their mapping; the name goes
+        segment = self._keeper.create(size, tag=slot, what="a weight version", error=WeightTransferError, kind=_Segment)
+        assert isinstance(segment, _Segment)
+        self._slots[slot] = segment
         return segment
 
     async def send(self, buckets: AsyncIterable[WeightBucket], *, deadline_s: float) -> TransferReport:
@@ -395,19 +347,16 @@ class ShmWeightTransport(WeightTransport):
                     f"shm transport name {self.name!r} is in use by sender pid {other.owner_pid}; "
                     "give each sender its own name"
                 )
-        for path in self.dir.glob(f"{PREFIX}*"):
-            match = _SEGMENT.match(path.name)
-            if match:
-                stale = not pid_alive(int(match.group(1)))
-            elif path.suffix == ".json" and path != self.manifest_path:
-                try:
-                    stale = not pid_alive(ShmManifest.model_validate_json(path.read_bytes()).owner_pid)
-                except (ValueError, OSError):
-                    stale = False  # not ours to judge
-            else:
-                stale = False
+        sweep_dead(self.dir, _SEGMENT)  # any name's segments whose sender was killed (the pid in the name is gone)
+        for path in self.dir.glob(f"{PREFIX}*.json"):  # and other names' manifests whose owner is gone
+            if path == self.manifest_path:
+                continue  # ours: replaced by this sender's first publish
+            try:
+                stale = not pid_alive(ShmManifest.model_validate_json(path.read_bytes()).owner_pid)
+            except (ValueError, OSError):
+                stale = False  # not ours to judge
             if stale:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     path.unlink()
 
     # --------------------------------------------------------------- receive
@@ -477,17 +426,12 @@ class ShmWeightTransport(WeightTransport):
                     f"shared-memory segment {manifest.segment} holds {size} bytes, version "
                     f"{manifest.weights.version} needs {needed}: a partial transfer"
                 )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return None  # the sender is writing it (a newer version than this manifest): read the new manifest
-            # the mapping keeps a duplicate of fd, and with it the shared lock, until it unmaps
-            if self._map:
-                mapped = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-            else:
-                mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # under the shared lock, which the mapping keeps (a duplicate of fd) until it unmaps
+            mapped = map_shared(fd, size, private=self._map, writable=False)
         finally:
             os.close(fd)
+        if mapped is None:
+            return None  # the sender is writing it (a newer version than this manifest): read the new manifest
         try:
             current = self._header_matches(mapped, manifest)
         except BaseException:
@@ -573,9 +517,8 @@ class ShmWeightTransport(WeightTransport):
 
     def _close_sync(self) -> None:
         with self._lock:
-            for segment in self._slots.values():
-                segment.close()
             self._slots.clear()
+            self._keeper.close()
             # the manifest goes too, unless another sender has replaced it since
             with contextlib.suppress(WeightTransferError):
                 current = _read_manifest(self.manifest_path)

@@ -27,7 +27,6 @@ import hmac
 import os
 import re
 import secrets
-import shutil
 import socket
 import struct
 import tempfile
@@ -35,6 +34,7 @@ from collections.abc import Awaitable, Callable
 from hashlib import sha256
 from typing import Any
 
+from asyncflow_core.processes import sweep_dead
 from asyncflow_core.store.deployments.codec import decode, encode
 
 NONCE_BYTES = 32
@@ -70,29 +70,7 @@ def private_dir(prefix: str = "asyncflow-store-") -> str:
 def sweep_dead_dirs(base: str, prefix: str) -> list[str]:
     """Remove this user's ``<prefix><pid>-*`` directories under ``base`` whose process no longer exists; their
     paths."""
-    removed = []
-    pattern = re.compile(re.escape(prefix) + r"(\d+)-")
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(base):
-            match = pattern.match(entry.name)
-            if not match or not entry.is_dir(follow_symlinks=False) or _alive(int(match.group(1))):
-                continue
-            with contextlib.suppress(OSError):
-                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                    continue
-                shutil.rmtree(entry.path)
-                removed.append(entry.path)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return sweep_dead(base, re.compile(re.escape(prefix) + r"(\d+)-"), directories=True)
 
 
 def _mac(token: str, tag: bytes, a: bytes, b: bytes) -> bytes:
