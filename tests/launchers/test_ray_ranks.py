@@ -31,6 +31,7 @@ from ray.util.placement_group import placement_group, remove_placement_group  # 
 from asyncflow_core.errors import ConfigError  # noqa: E402
 from asyncflow_core.flow.runtime import FlowRuntime  # noqa: E402
 from asyncflow_core.launchers.ranks import RankError, RankSpawner, rank_spawner, use_rank_spawner  # noqa: E402
+from asyncflow_core.processes import pid_alive  # noqa: E402
 from asyncflow_core.launchers.ray.ranks import RayRankGroup, RayRankSpawner, check_one_node  # noqa: E402
 from asyncflow_core.store.deployments.ray_store import ray_listening_addresses  # noqa: E402
 
@@ -67,19 +68,11 @@ def echo_rank(rank: int, world_size: int, conn, tag: str) -> None:
         conn.send_bytes(pickle.dumps(reply))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _gone(pids: list[int], within_s: float = 15.0) -> bool:
     """Whether every process in ``pids`` has ended within ``within_s`` (Ray reaps killed workers asynchronously)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if not any(_alive(p) for p in pids):
+        if not any(pid_alive(p) for p in pids):
             return True
         time.sleep(0.1)  # observing another process's exit: nothing to be notified by
     return False

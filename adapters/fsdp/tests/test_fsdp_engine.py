@@ -35,6 +35,7 @@ from asyncflow_core.config.models import ModelConfig
 from asyncflow_core.errors import AsyncflowError, EngineError
 from asyncflow_core.interfaces import LossContext
 from asyncflow_core.plugins import get_plugin_manager
+from asyncflow_core.processes import pid_alive
 from asyncflow_core.types import Batch, RaggedTensor
 from asyncflow_fsdp.packing import micro_batches, plan_step, split_across_ranks
 from asyncflow_fsdp.testing import TINY_QWEN2, FailingAlgorithm, GRPOWithValueLoss, tiny_options
@@ -407,7 +408,7 @@ def test_a_killed_rank_is_an_engine_error_and_every_rank_is_reaped():
         return pids
 
     for pid in run(body()):
-        assert not _alive(pid)
+        assert not pid_alive(pid)
 
 
 def test_a_rank_that_stops_answering_times_out_with_the_reason():
@@ -424,7 +425,7 @@ def test_a_rank_that_stops_answering_times_out_with_the_reason():
         return pids
 
     for pid in run(body()):
-        assert not _alive(pid)
+        assert not pid_alive(pid)
 
 
 def test_an_exception_on_a_rank_is_an_engine_error_with_its_traceback():
@@ -554,11 +555,3 @@ def test_rows_are_balanced_by_tokens():
     assert [m.tolist() for m in micro_batches(torch.tensor([5, 1, 4]), 8)] == [[0], [2, 1]]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes, but the engine joins its processes, so none should remain
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
