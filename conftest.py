@@ -17,6 +17,11 @@ def _cuda_devices() -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # GPU tests launch servers and load models: a longer deadline than the suite's (pytest-timeout), unless
+        # the test names its own
+        if item.get_closest_marker("gpu") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(1800))
     if _cuda_devices():
         return
     skip = pytest.mark.skip(reason="needs CUDA (gpu-marked; run `make test-gpu` on a CUDA host)")

@@ -643,3 +643,23 @@ def test_every_error_here_is_an_asyncflow_error():
     for exc in (ConfigError, EngineError, RunStopped, ColumnTypeError, InvalidRequestError, LeaseError, StoreFullError,
                 UnknownColumnError, UnknownRowError, UnknownPluginError):
         assert issubclass(exc, AsyncflowError)
+
+
+class _FakeDyingEngine(ToyRolloutEngine):
+    """Fake: every generate call fails after a moment, the way a rollout server that died mid-request does."""
+
+    async def generate(self, requests):
+        await asyncio.sleep(0.2)  # the stage has leased every admitted row and waits in the store for more
+        raise EngineError("lost the rollout server (fake)")
+        yield  # an async generator, as generate() must be
+
+
+@pytest.mark.timeout(60)
+def test_a_sole_replica_dying_while_the_stage_waits_for_rows_stops_the_run(tmp_path):
+    """Its requests wait in the stage, not in the store, and count against the feeder's bound: no row will ever
+    come, so the stage must see the death and stop the run instead of waiting in the store forever."""
+    resolved = _with_factory(toy("async.mode=one_step"), "rollout", _FakeDyingEngine)
+    runtime = FlowRuntime(resolved, run_dir=tmp_path, write_png=False)
+    with pytest.raises(RunStopped) as info:
+        asyncio.run(runtime.run())
+    assert "every rollout replica died" in str(info.value) and "lost the rollout server (fake)" in str(info.value)

@@ -32,7 +32,7 @@ from asyncflow_core.flow.episode import EpisodeFactory, SingleTurn, SingleTurnEp
 from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re-exported (older imports)
 from asyncflow_core.flow.rollout_episodes import EpisodeDriving
 from asyncflow_core.flow.rollout_eval import EvalDispatch, EvalSlot, training_inflight
-from asyncflow_core.flow.stage import Stage
+from asyncflow_core.flow.stage import Stage, unless
 from asyncflow_core.flow.rollout_tail import TailHandling
 from asyncflow_core.flow.staleness import REQUEST_START, StalenessGuard
 from asyncflow_core.flow.trajectory_writer import ROLLOUT_OUT, TrajectoryWriter
@@ -184,8 +184,13 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
                     return
                 want = min(self.rows_per_lease,
                            self.pool.free_slots(self.rows_per_lease + len(self._pending)) - len(self._pending))
-                meta = await ctx.store.get_meta(self.name, self.consumes, want, partial=True,
-                                                lease_s=self.lease_s, consumer=self.name)
+                # the dead replicas' requests wait here, not in the store, and count against the feeder's admission
+                # bound: with every replica dead no row would ever come, so the lease also ends on that
+                meta = await unless(ctx.store.get_meta(self.name, self.consumes, want, partial=True,
+                                                       lease_s=self.lease_s, consumer=self.name),
+                                    self._wait_until(self.pool.all_dead))
+                if meta is None:
+                    continue  # every replica died (or the run stopped) while no row was leasable: see the loop's head
                 if meta.end_of_stream:
                     break
                 batch = await ctx.store.get(meta)

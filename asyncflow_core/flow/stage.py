@@ -20,8 +20,9 @@ import abc
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,23 @@ STANDARD_COLUMN_TYPES = C.STANDARD_COLUMN_TYPES
 PER_RESPONSE_TOKEN = C.PER_RESPONSE_TOKEN
 _RESPONSE_IDS = C.RESPONSE_IDS
 
+
+async def unless(work: Awaitable[Any], stop: Awaitable[Any]) -> Any:
+    """``work``'s result, or None when ``stop`` completes first (``work`` is then cancelled). A result that is
+    ready together with ``stop`` is returned, not lost; cancelling the caller cancels both."""
+    task, halt = asyncio.ensure_future(work), asyncio.ensure_future(stop)
+    try:
+        await asyncio.wait({task, halt}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        return None
 
 class RunStopped(AsyncflowError):
     """The run was stopped (failure-rate limit, a dead engine pool, or a fatal stage error); the message says why."""

@@ -7,10 +7,24 @@ Three kinds of failure, because callers treat them differently:
 - :class:`ServerTimeoutError`: no answer before the deadline.
 - :class:`ServerUnreachableError`: no connection, or the connection broke
   (the server died or restarted). The whole engine is gone.
+
+Every call has a deadline: ``timeout_s`` bounds the whole call (connecting,
+sending, waiting, reading, and the one retry below), not each socket operation.
+
+Keep-alive: SGLang serves HTTP with uvicorn, ``timeout_keep_alive`` =
+``SGLANG_TIMEOUT_KEEP_ALIVE`` (5 s, 0.5.20 to 0.5.23): it closes a connection
+idle that long. httpx keeps idle connections for 5 s by default, so a request
+written onto a connection the server is closing at that moment is lost
+(``ReadError`` / ``RemoteProtocolError``, no reply). Idle connections are
+therefore dropped here after ``keepalive_s`` (below the server's), and the
+calls that are idempotent on SGLang (:data:`IDEMPOTENT_ROUTES`, and every GET)
+are sent once more on a fresh connection after such a transport error.
+``/generate`` is not retried (a second send could run the request twice).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -51,6 +65,16 @@ ADMIN_ROUTES = frozenset({
 })
 
 
+#: POST routes whose repetition leaves SGLang as one call would (0.5.20 to 0.5.23): a second abort of a rid is
+#: ignored, abort_all / pause / continue / flush are states, not steps. Weight and memory routes are not here (a
+#: second /resume_memory_occupation of a tag kills the server; a second /begin_weight_update is refused).
+IDEMPOTENT_ROUTES = frozenset({"/abort_request", "/pause_generation", "/continue_generation", "/flush_cache"})
+
+#: Transport errors after which a request may never have reached the server's handler (a connection it closed
+#: as the request went out, or no connection): an idempotent call is sent once more
+_RETRYABLE = (httpx.ConnectError, httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+
+
 def auth_header(route: str, api_key: str | None, admin_api_key: str | None) -> dict[str, str]:
     """The Authorization header SGLang's ``decide_request_auth`` wants for ``route`` (empty when none)."""
     key = (admin_api_key or api_key) if route in ADMIN_ROUTES else api_key
@@ -68,10 +92,13 @@ class SGLangClient:
         max_connections: int,
         api_key: str | None = None,
         admin_api_key: str | None = None,
+        keepalive_s: float = 2.0,
     ) -> None:
         self.base_url = base_url
         self._keys = (api_key, admin_api_key)
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(max_connections, 64))
+        # idle connections go before SGLang's 5 s keep-alive timeout closes them (see the module docstring)
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=min(max_connections, 64),
+                              keepalive_expiry=keepalive_s)
         self._connect_timeout_s = connect_timeout_s
         # trust_env=False: never route loopback traffic through a proxy from the environment
         self._http = httpx.AsyncClient(base_url=base_url, limits=limits, trust_env=False)
@@ -88,16 +115,27 @@ class SGLangClient:
     async def _call(self, method: str, route: str, payload: dict[str, Any] | None, timeout_s: float) -> Any:
         timeout = httpx.Timeout(timeout_s, connect=min(self._connect_timeout_s, timeout_s))
         where = f"{method} {self.base_url}{route}"
+        headers = auth_header(route, *self._keys)
+        attempts = 2 if method == "GET" or route in IDEMPOTENT_ROUTES else 1
         try:
-            response = await self._http.request(method, route, json=payload, timeout=timeout,
-                                                headers=auth_header(route, *self._keys))
-        except httpx.TimeoutException as exc:
+            # one deadline for the whole call: httpx's timeouts bound each socket operation, not their sum
+            async with asyncio.timeout(timeout_s):
+                for attempt in range(1, attempts + 1):
+                    try:
+                        response = await self._http.request(method, route, json=payload, timeout=timeout,
+                                                            headers=headers)
+                        break
+                    except _RETRYABLE:
+                        if attempt == attempts:
+                            raise
+        except (httpx.TimeoutException, TimeoutError) as exc:
             raise ServerTimeoutError(
                 f"SGLang server did not answer {where} within {timeout_s:g}s ({type(exc).__name__})", route=route
             ) from exc
         except httpx.TransportError as exc:
+            tries = f" (tried {attempts} times)" if attempts > 1 else ""
             raise ServerUnreachableError(
-                f"lost the SGLang server at {where}: {type(exc).__name__}: {exc or 'connection failed'}; "
+                f"lost the SGLang server at {where}{tries}: {type(exc).__name__}: {exc or 'connection failed'}; "
                 "is it running (check its log)?",
                 route=route,
             ) from exc

@@ -169,6 +169,13 @@ class SGLangRolloutConfig(BaseModel):
     control_timeout_s: float = Field(60.0, gt=0, description="Deadline of control calls (abort, pause, flush, health).")
     connect_timeout_s: float = Field(10.0, gt=0, description="Deadline of opening a connection to the server.")
     max_connections: int = Field(1024, ge=1, description="Most concurrent HTTP connections (= requests in flight).")
+    keepalive_s: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds an idle connection is kept for reuse. Keep it below the server's keep-alive timeout "
+        "(SGLang: SGLANG_TIMEOUT_KEEP_ALIVE, 5 s), or a request can go out on a connection the server is closing "
+        "and be lost.",
+    )
     abort_retry_s: float = Field(
         0.05,
         gt=0,

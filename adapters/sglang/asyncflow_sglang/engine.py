@@ -167,7 +167,7 @@ class SGLangRolloutEngine(RolloutEngine):
             url = self._server.url
         assert url is not None
         self._client = SGLangClient(url, connect_timeout_s=cfg.connect_timeout_s, max_connections=cfg.max_connections,
-                                    api_key=cfg.api_key, admin_api_key=cfg.admin_api_key)
+                                    api_key=cfg.api_key, admin_api_key=cfg.admin_api_key, keepalive_s=cfg.keepalive_s)
         try:
             info = await self._control("GET", "/server_info")
             model = await self._control("GET", "/model_info")

@@ -40,6 +40,10 @@ on -- as strict as the real server, never more lenient:
   ``/flush_cache`` answers 400. ``/ready`` is 503 while paused.
 - ``--api-key`` / ``--admin-api-key`` the way SGLang's middleware decides.
 - ``/server_info`` reports ``--version`` (default 0.5.23).
+- HTTP as SGLang's uvicorn serves it: keep-alive connections, an idle one
+  closed after ``--timeout-keep-alive`` (SGLang's ``SGLANG_TIMEOUT_KEEP_ALIVE``,
+  5 s), and a listen backlog of 2048 (uvicorn's), so a burst of new
+  connections is queued, not reset.
 
 The "model" is a toy bigram table: the logits of the next token are
 ``lm_head.weight[previous token] + lm_head.bias`` (or, with ``--model-kind
@@ -799,6 +803,9 @@ _ROUTES = {
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like uvicorn
+    #: SGLang runs uvicorn with ``timeout_keep_alive=SGLANG_TIMEOUT_KEEP_ALIVE`` (5 s): an idle connection is closed
+    #: after that, so a client must not reuse one longer (set per server from ``--timeout-keep-alive``)
+    timeout: float | None = 5.0
     fake: ProtocolFake
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: tests read state, not logs
@@ -846,14 +853,26 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve("POST")
 
 
-def serve(fake: ProtocolFake, host: str, port: int) -> ThreadingHTTPServer:
-    """An HTTP server for ``fake`` on ``host:port`` (loopback only); call ``serve_forever`` on it."""
+#: uvicorn's default ``backlog`` (SGLang 0.5.20 to 0.5.23 keep it): socketserver's default of 5 overflows when a
+#: client opens tens of connections at once, and the kernel then resets or stalls some of them (on this machine a
+#: burst of 32 /generate calls lost about a third to ``ReadError``), which no real SGLang server does
+LISTEN_BACKLOG = 2048
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
+def serve(fake: ProtocolFake, host: str, port: int, *, keep_alive_s: float = 5.0) -> ThreadingHTTPServer:
+    """An HTTP server for ``fake`` on ``host:port`` (loopback only); call ``serve_forever`` on it.
+
+    It listens with uvicorn's backlog and closes a connection idle for ``keep_alive_s``, as SGLang's uvicorn does.
+    """
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"the protocol fake binds to loopback only, got --host {host}")
-    handler = type("Handler", (_Handler,), {"fake": fake})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    return server
+    handler = type("Handler", (_Handler,), {"fake": fake, "timeout": keep_alive_s})
+    return _Server((host, port), handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -882,6 +901,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eos-token-id", type=int, default=None,
                         help="The model's EOS: it ends a completion like a stop id (unless ignore_eos), as in SGLang.")
     parser.add_argument("--step-ms", type=float, default=2.0, help="Milliseconds per decoding step.")
+    parser.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                        help="Close a connection idle this long (SGLang: SGLANG_TIMEOUT_KEEP_ALIVE, 5 s).")
     parser.add_argument("--model-kind", choices=["lm_head", "bigram"], default="lm_head",
                         help="lm_head: lm_head.weight + lm_head.bias; bigram: the toy trainer's bigram.weight table.")
     args = parser.parse_args(argv)
@@ -895,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
                         deterministic=args.enable_deterministic_inference,
                         sampling_mask_max_tokens=args.sampling_mask_max_tokens, health_delay_s=args.health_delay_s,
                         health_timeout_s=args.health_timeout_s, eos_token_id=args.eos_token_id)
-    server = serve(fake, args.host, args.port)
+    server = serve(fake, args.host, args.port, keep_alive_s=args.timeout_keep_alive)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     try:
         server.serve_forever(poll_interval=0.05)

@@ -13,7 +13,9 @@ CI runs these through tests/adapters/test_sglang.py.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
+import threading
 import time
 from typing import ClassVar
 
@@ -298,6 +300,184 @@ def test_server_dying_mid_generation_fails_the_engine():
         run(body(server))
 
 
+# ------------------------------------------------------------------ connections (keep-alive, backlog, deadlines)
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_new_connections_is_answered(fake):
+    """64 calls at once open 64 connections together. The fake once listened with socketserver's backlog of 5:
+    the kernel then reset some of those connections (``ReadError``: on this machine 17 to 30 of 64), which failed
+    the engine and, in the toy GRPO run, hung the flow. SGLang's uvicorn listens with a backlog of 2048."""
+    from asyncflow_sglang.client import SGLangClient
+
+    async def body():
+        client = SGLangClient(fake.url, connect_timeout_s=10.0, max_connections=64)
+        try:
+            return await asyncio.gather(*(
+                client.post("/generate", {"rid": f"burst-{i}", "input_ids": [1],
+                                          "sampling_params": {"max_new_tokens": 1}}, timeout_s=30.0)
+                for i in range(64)))
+        finally:
+            await client.close()
+
+    answers = run(body())
+    assert [a["meta_info"]["completion_tokens"] for a in answers] == [1] * 64
+    # what the fake's listen() gets: uvicorn's backlog (the burst above fails only when the kernel's queue overflows)
+    from asyncflow_sglang.testing import LISTEN_BACKLOG, ProtocolFake, serve
+
+    state = ProtocolFake(vocab_size=VOCAB)
+    server = serve(state, "127.0.0.1", 0)
+    try:
+        assert server.request_queue_size == LISTEN_BACKLOG >= 2048
+    finally:
+        server.server_close()
+        state.stop()
+
+
+@pytest.mark.timeout(30)
+def test_the_fake_closes_an_idle_connection_like_sglangs_uvicorn():
+    """SGLang's uvicorn closes a keep-alive connection idle for SGLANG_TIMEOUT_KEEP_ALIVE (5 s); so does the fake
+    (``--timeout-keep-alive``), and the client drops idle connections before that (``keepalive_s``)."""
+    from asyncflow_sglang.testing import ProtocolFake, serve
+
+    state = ProtocolFake(vocab_size=VOCAB)
+    server = serve(state, "127.0.0.1", 0, keep_alive_s=0.2)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(server.server_address[:2], timeout=10) as sock:
+            sock.sendall(b"GET /ready HTTP/1.1\r\nHost: fake\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 200")
+            while sock.recv(4096):  # the rest of the answer, then the server's close (recv times out if never)
+                pass
+    finally:
+        server.shutdown()
+        server.server_close()
+        state.stop()
+    assert make("http://127.0.0.1:1").config.keepalive_s < 5.0  # below SGLang's keep-alive timeout
+
+
+class _RawServer:
+    """A loopback TCP server whose connections ``serve(conn, index)`` handles (tests of the HTTP client)."""
+
+    def __init__(self, serve) -> None:
+        self._serve = serve
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self._stop = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            t = threading.Thread(target=self._handle, args=(conn, self.connections), daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _handle(self, conn, index: int) -> None:
+        with conn:
+            conn.settimeout(5)
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return
+                head += chunk
+            self.requests.append(head.split(b"\r\n", 1)[0])
+            self._serve(conn, index, self._stop)
+
+    def close(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(5)
+        self._sock.close()
+
+
+def _ok(conn, body: bytes = b"{}") -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+
+
+def _close_first_connection(conn, index, stop) -> None:
+    """The first connection is closed as the request arrives (a keep-alive close racing a request), later ones
+    answer."""
+    if index > 1:
+        _ok(conn)
+
+
+def _call_raw(serve, method: str, route: str, timeout_s: float = 10.0) -> tuple[_RawServer, object]:
+    """One SGLangClient call to a :class:`_RawServer` running ``serve``: the server, and what the call returned or
+    raised."""
+    from asyncflow_sglang.client import SGLangClient
+
+    server = _RawServer(serve)
+
+    async def body():
+        client = SGLangClient(server.url, connect_timeout_s=2.0, max_connections=4)
+        try:
+            if method == "GET":
+                return await client.get(route, timeout_s=timeout_s)
+            return await client.post(route, {"input_ids": [1]}, timeout_s=timeout_s)
+        finally:
+            await client.close()
+
+    try:
+        return server, run(body())
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return server, exc
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_idempotent_call_lost_to_a_closing_connection_is_sent_once_more():
+    server, answer = _call_raw(_close_first_connection, "GET", "/model_info")
+    assert answer == {}
+    assert server.requests == [b"GET /model_info HTTP/1.1"] * 2
+
+
+@pytest.mark.timeout(30)
+def test_a_generate_lost_to_a_closing_connection_is_not_sent_twice():
+    """/generate is not idempotent: a lost reply is an error naming the server and the call, never a resend."""
+    from asyncflow_sglang.client import ServerUnreachableError
+
+    server, answer = _call_raw(_close_first_connection, "POST", "/generate")
+    assert isinstance(answer, ServerUnreachableError) and f"POST {server.url}/generate" in str(answer)
+    assert server.requests == [b"POST /generate HTTP/1.1"]
+
+
+def _trickle(conn, index, stop) -> None:
+    """Answers a byte at a time, each well inside httpx's per-read timeout, and never finishes."""
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n")
+    while not stop.wait(0.02):
+        try:
+            conn.sendall(b" ")
+        except OSError:
+            return
+
+
+@pytest.mark.timeout(30)
+def test_a_call_has_one_deadline_however_the_server_trickles():
+    """httpx's timeouts bound each read; a server that keeps sending a byte now and then would hold the call
+    forever. ``timeout_s`` is the deadline of the whole call."""
+    from asyncflow_sglang.client import ServerTimeoutError
+
+    server, answer = _call_raw(_trickle, "POST", "/generate", timeout_s=0.5)
+    assert isinstance(answer, ServerTimeoutError), answer
+    assert f"did not answer POST {server.url}/generate within 0.5s" in str(answer)
+
+
 # ------------------------------------------------------------------ abort and pause
 
 
@@ -549,6 +729,7 @@ def test_a_refused_update_fails_the_engine(fake):
     run(body(), timeout=60)
 
 
+@pytest.mark.timeout(120)
 def test_a_toy_grpo_run_trains_through_the_engine(fake, tmp_path):
     """The flow runtime end to end: toy trainer, this engine on the fake (the toy trainer's bigram table).
 

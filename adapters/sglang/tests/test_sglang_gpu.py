@@ -34,6 +34,7 @@ from asyncflow_core.types import FinishReason  # noqa: E402
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(1200)  # above each test's own 900 s deadline, which a server launch counts against
 class TestSGLangServerOnGPU(RolloutEngineSpec):
     """The rollout spec against ``sglang.launch_server`` started by the engine (one server per test)."""
 
