@@ -181,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown transports {sorted(unknown)}; choose from {ALL_TRANSPORTS}")
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    report = run_bench(transports, sizes, args.repeats, args.bucket_mb, args.disk_dir)
-    if args.json:
+    return emit(run_bench(transports, sizes, args.repeats, args.bucket_mb, args.disk_dir), args.json, print_table)
+
+
+def emit(report: dict, as_json: bool, table) -> int:
+    """Print ``report`` as one JSON object (``--json``) or as ``table(report)``; the exit status of a benchmark."""
+    if as_json:
         print(json.dumps(report))
     else:
-        print_table(report)
+        table(report)
     return 0
 
 

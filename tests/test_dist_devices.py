@@ -251,6 +251,18 @@ def test_transport_builds_its_nccl_group_on_the_chosen_device(fake_cuda, fake_nc
     assert group.options.group_name and group.shut_down
 
 
+def test_nccl_receivers_keep_no_buffers(fake_cuda, fake_nccl, monkeypatch):
+    """``keep_buffers`` is for gloo: an NCCL receiver gets fresh device memory per version, as before it."""
+    monkeypatch.setattr(DistWeightTransport, "_run", lambda self: self._joined.set())  # no group: no rank 0 here
+    config = DistTransportConfig(backend="nccl", rank=1, world_size=2, port=_free_port())
+    assert config.keep_buffers
+    t = DistWeightTransport(config)
+    try:
+        assert t.device == cuda(0) and t._buffers is None and t.buffer_stats() is None
+    finally:
+        run(t.close())
+
+
 def test_transport_refuses_a_device_that_does_not_exist(fake_cuda, fake_nccl):
     with pytest.raises(ConfigError, match="does not exist"):
         DistWeightTransport(DistTransportConfig(backend="nccl"), device=5)

@@ -56,6 +56,13 @@ class DistTransportConfig(BaseModel):
     )
     chunk_mb: float = Field(16.0, gt=0, description="Largest broadcast message in MiB: each bucket travels in "
                             "pieces of this size (its last one shorter).")
+    keep_buffers: bool = Field(
+        True,
+        description="gloo receivers receive each version into buffers kept across versions, reused once nothing "
+        "holds the version they carried (a received page is not faulted in again; the price is a second version's "
+        "memory in the steady state). False: fresh memory for every version. NCCL receivers always get fresh "
+        "device memory.",
+    )
     join_timeout_s: float = Field(120.0, gt=0, description="How long the ranks may take to join the group.")
     poll_interval_s: float = Field(0.002, gt=0, description="How often control keys are checked while waiting.")
 

@@ -18,8 +18,10 @@ committed to. The rendezvous key-value store carries the control messages
 
 1. the source writes ``ann/<seq>``: a JSON manifest of the version (names,
    dtypes, shapes, offsets, checksums), the chunk size and the time left;
-2. each receiver rank's listener thread sees it, allocates the payload and
-   writes ``ready/<seq>/<rank>``;
+2. each receiver rank's listener thread sees it, takes the payload's buffer
+   (over gloo, with ``keep_buffers``, a buffer of an :class:`ExportArena`
+   kept across versions: a free one is reused, so its pages are not faulted
+   in again by the receive) and writes ``ready/<seq>/<rank>``;
 3. the source, once every receiver is ready, sets ``state/<seq>`` to ``go``
    with a compare-and-set; a side whose deadline passes first sets it to
    ``abort`` instead. Whoever wins decides for everyone, so a broadcast is
@@ -83,7 +85,14 @@ from asyncflow_core.store.deployments.nccl_support import (
 )
 from asyncflow_core.types import WeightBucket
 from asyncflow_plugins.weight_transports.config import DistTransportConfig
-from asyncflow_core.types.weights import digest_leaf, digest_pool, digest_root, digest_spans, verify_buckets
+from asyncflow_core.types.weights import (
+    ExportArena,
+    digest_leaf,
+    digest_pool,
+    digest_root,
+    digest_spans,
+    verify_buckets,
+)
 from asyncflow_plugins.weight_transports.manifest import (
     VersionManifest,
     buckets_from_payload,
@@ -229,6 +238,10 @@ class DistWeightTransport(WeightTransport):
         self._staged: tuple[int, list[WeightBucket]] | None = None
         self._failure: tuple[int, str] | None = None  # newest version this rank refused, and why
         self._seq = 0
+        # receivers over gloo: payload buffers kept across versions (the staged one, the one coming in, and one an
+        # engine may still be reading); NCCL keeps allocating (the use count does not see reads on other streams)
+        self._buffers = ExportArena(max_slots=3) if (self.config.keep_buffers and not self.is_source
+                                                     and self.device.type == "cpu") else None
         self._send_lock = asyncio.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"asyncflow-dist-weights-{self.config.rank}",
@@ -274,7 +287,7 @@ class DistWeightTransport(WeightTransport):
                 continue
             ann = Announcement.model_validate_json(group.kv.get(key))
             end = time.monotonic() + ann.timeout_s
-            payload = torch.empty(ann.weights.total_bytes, dtype=torch.uint8, device=group.device)
+            payload = self._payload_buffer(ann.weights.total_bytes, group.device)
             group.kv.set(f"ready/{seq}/{self.config.rank}", "1")
             state = self._decide(group, seq, end, propose_on_timeout="abort")
             if state == "go":
@@ -282,7 +295,23 @@ class DistWeightTransport(WeightTransport):
             else:
                 self._failure = (ann.weights.version, (f"version {ann.weights.version} was announced but not "
                                  "broadcast: a rank missed the deadline before all had joined the transfer"))
+            del payload  # a staged version holds its buffer; a refused or aborted one's is free again
             seq += 1
+
+    def _payload_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The buffer a version is received into: a free kept one (gloo, ``keep_buffers``), else fresh memory.
+
+        A kept buffer is free when nothing outside the arena uses it: no
+        bucket, view or numpy array of the version it carried is held (the
+        staged version is, so the next one goes into another buffer).
+        """
+        if self._buffers is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._buffers.allocator()(nbytes)
+
+    def buffer_stats(self) -> dict[str, int] | None:
+        """Receivers over gloo with ``keep_buffers``: the kept buffers' :meth:`ExportArena.stats`; else None."""
+        return None if self._buffers is None else self._buffers.stats()
 
     def _decide(self, group: _Group, seq: int, end: float, *, propose_on_timeout: str) -> str:
         key = f"state/{seq}"
@@ -485,6 +514,7 @@ class DistWeightTransport(WeightTransport):
         # else the join attempt is still waiting for peers: it gives up by itself after join_timeout_s
         # (the thread is a daemon and finds the stop flag set if the peers do come)
         self._staged = None
+        self._buffers = None
         group, self._group = self._group, None
         if group is not None:
             if not (self._broken and group.device.type == "cuda"):  # an aborted NCCL group has nothing to flush
