@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -73,7 +72,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from transport_bench import _aiter, _free_port, _options  # noqa: E402  (reused: same transports, same options)
+from transport_bench import _aiter, _free_port, _options, emit  # noqa: E402  (reused: same transports, same options)
 
 ALL_TRANSPORTS = ("inprocess", "shm", "dist")
 LOAD_WITH_COPY_ = False  #: the engine loads with one copy_ per tensor (the code before "direct")
@@ -492,11 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run_lora_bench(args.size, args.lora, modes, args.repeats, args.bucket_mb)
     else:
         report = run_bench(transports, args.size, args.repeats, args.bucket_mb, exports=exports, warmup=args.warmup)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_table(report)
-    return 0
+    return emit(report, args.json, print_table)
 
 
 if __name__ == "__main__":
