@@ -2,7 +2,8 @@
 
 Usage: python benchmarks/plan_check.py [--config examples/sim_7b.yaml] [--devices 128] [--max-staleness 4]
                                        [--steps 3] [--full-steps N] [--full-json FULL.json] [--plan-only]
-                                       [--json] [OVERRIDES...]
+                                       [--json] [--bounded-sweep TOL [--pick-json PLAN.json] [--margin M]]
+                                       [OVERRIDES...]
 
 The small config of tests/test_plan.py (docs/performance.md, "Lengths-only payloads and the planner"):
     python benchmarks/plan_check.py --devices 32 --max-staleness 1 --steps 2 data.prompts_per_step=8 \
@@ -21,12 +22,22 @@ pick's rate the rank printed is the worst the pick can have (``pick_rank_exact``
 ``--full-steps N`` measures the sweep over N steps instead of ``--steps`` (a longer reference: a short window
 can still hold the first steps after the warm-up, which run ahead or behind the steady rate); the pick is then
 judged by its own row in the sweep (``pick_samples_per_s_in_sweep``).
+
+``--bounded-sweep TOL`` checks the pick against every placement that could beat it by more than TOL (e.g. 0.05)
+without the full sweep's cost: a placement is simulated only when its work bound
+(``asyncflow_core.cli.plan.work_bound_samples_per_s``: the replicas at their largest batch, no tail, training
+overlapped for k >= 1; a ceiling at the mean response length, so ``--margin`` (default 0.1) lowers the bar to
+cover a finite sample's mean) reaches (1 + TOL) x the pick's rate x (1 - margin), and each such simulation is cut
+off once it cannot reach (1 + TOL) x the pick's rate. A row that is not cut off beats the pick by more than TOL
+(``beaten_by``); none means the pick is within TOL of every placement simulated, and the rest are excluded by the
+bound. ``--pick-json`` reads the pick from an earlier ``--plan-only --json`` output instead of planning again.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -58,11 +69,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cutoff", dest="cutoff", action="store_false", help="simulate every step of every run")
     p.add_argument("--full-steps", type=int, default=None, help="measured steps of the sweep (default: --steps)")
     p.add_argument("--plan-only", action="store_true", help="no sweep: the plan's time, simulations and pick")
+    p.add_argument("--bounded-sweep", type=float, default=None, metavar="TOL",
+                   help="simulate only placements whose work bound may beat the pick by more than TOL")
+    p.add_argument("--margin", type=float, default=0.1, help="--bounded-sweep: slack of the work bound")
+    p.add_argument("--pick-json", type=Path, default=None, help="--bounded-sweep: the pick of a --plan-only --json")
+    p.add_argument("--workers", type=int, default=None, help="simulations at once (default: every core)")
     p.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. data.prompts_per_step=8")
     a = p.parse_args(argv)
     space = {"devices": a.devices, "max_k": a.max_staleness, "progress": False, "cutoff": a.cutoff}
     t0 = time.perf_counter()
-    plan = run_plan(a.config, a.overrides, measured_steps=a.steps, **space)
+    if a.bounded_sweep is not None and a.pick_json is not None:
+        got = json.loads(a.pick_json.read_text())
+        _print(bounded_sweep(a, got["pick"], got["pick_samples_per_s"]), a.json)
+        return 0
+    plan = run_plan(a.config, a.overrides, measured_steps=a.steps, workers=a.workers, **space)
+    if a.bounded_sweep is not None:
+        out = bounded_sweep(a, plan.chosen["label"], plan.chosen["samples_per_s"])
+        _print({"plan_wall_s": plan.wall_s, **out}, a.json)
+        return 0
     plan_cpu = _children_cpu_s()
     if a.plan_only:
         cut = sum(bool(r.get("cut_off")) for r in plan.rows)
@@ -100,6 +124,37 @@ def main(argv: list[str] | None = None) -> int:
     }
     _print(out, a.json)
     return 0
+
+
+def bounded_sweep(a: argparse.Namespace, pick: str, rate: float) -> dict:
+    """Simulate the placements that may beat ``pick`` (``rate`` samples/s) by more than ``a.bounded_sweep``."""
+    from asyncflow_core.cli.plan import _Runner, candidates, work_bound_samples_per_s, workload
+    from asyncflow_core.config import load_config, resolve
+    from asyncflow_core.config.loader import read_yaml
+
+    t0 = time.perf_counter()
+    w = workload(resolve(load_config(a.config, list(a.overrides))))
+    every = candidates(a.devices, node_size=8, max_k=a.max_staleness, replicas_per_node=(1, 2, 4, 8))
+    target = (1 + a.bounded_sweep) * rate
+    bar = target * (1 - a.margin)
+    bound = {c: work_bound_samples_per_s(w, c) for c in every}
+    chosen = [c for c in every if c.label != pick and bound[c] >= bar]
+    pruned = [c for c in every if c.label != pick and bound[c] < bar]
+    jobs = a.workers or os.cpu_count() or 1
+    with _Runner(read_yaml(a.config), list(a.overrides), jobs, False) as runner:
+        rows = runner.run(chosen, a.steps, keep=1, known=[target])
+    beaten = sorted(((r["samples_per_s"], r["label"]) for r in rows.values() if not r["cut_off"]), reverse=True)
+    return {
+        "devices": a.devices, "candidates": len(every), "pick": pick, "pick_samples_per_s": rate,
+        "tolerance": a.bounded_sweep, "margin": a.margin, "target_samples_per_s": target,
+        "simulated": len(chosen), "pruned_by_bound": len(pruned),
+        "pruned_max_bound": max((bound[c] for c in pruned), default=None),
+        "cut_off_below_target": sum(bool(r["cut_off"]) for r in rows.values()),
+        "highest_cut_off_bound": max((r["samples_per_s"] for r in rows.values() if r["cut_off"]), default=None),
+        "beaten_by": [f"{label}: {r:.2f}" for r, label in beaten],
+        "pick_within_tolerance": not beaten, "sweep_wall_s": time.perf_counter() - t0,
+        "sweep_cpu_s": _children_cpu_s(),
+    }
 
 
 def _print(out: dict, as_json: bool) -> None:

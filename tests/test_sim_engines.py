@@ -400,6 +400,38 @@ def test_a_consumer_that_stops_early_frees_its_slots():
     assert run_virtual(body()) == pytest.approx(0.2 + 0.1)
 
 
+def test_a_consumer_cancelled_while_waiting_frees_its_slots_and_a_stream_ends_once():
+    """generate() is an iterator object, not an async generator: cancelling the task that awaits it drops its
+    requests as the generator's ``finally`` did, and an exhausted or failed stream stays ended."""
+    lat = ROUND.model_copy(update={"max_running_seqs": 1, "prefill_s_per_token": 0.0})
+
+    async def body():
+        engine = await started(lat)
+
+        async def consume():
+            return [r async for r in engine.generate([req("B", 1000)])]
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)  # B is running (step 0.02 s at a batch of 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        (t, res), = (await timed(engine, [req("C", 5)])).values()
+        stream = engine.generate([req("D", 1)])
+        got = [r async for r in stream]
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        with pytest.raises(ValueError, match="duplicate request ids"):
+            [r async for r in engine.generate([req("E", 1), req("E", 1)])]
+        await engine.shutdown()
+        return t, res, got
+
+    t, res, got = run_virtual(body())
+    # B dropped at its safe point 0.06, then C: 5 x 0.02 (had B kept its slot, C would wait ~20 s)
+    assert t == pytest.approx(0.06 + 0.1) and res.finish_reason is FinishReason.STOP
+    assert [r.request_id for r in got] == ["D"]
+
+
 # -- trainer and transport ---------------------------------------------------------------
 
 

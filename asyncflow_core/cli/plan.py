@@ -177,7 +177,11 @@ def _rollout_seconds(w: Workload, c: Candidate, *, per_step_batch: bool) -> tupl
     window = per_replica * (1 if per_step_batch else c.k + 1)
     batch = max(1.0, min(full, window))
     work = per_replica * (w.response_tokens / lat.decode_throughput(batch) + lat.prefill_time(w.prompt_tokens))
-    tail = w.longest * lat.step_time(max(1.0, min(batch, per_replica / 4)))
+    # the longest response decodes beside the others: k = 0 drains the replica as its step ends (a quarter of its
+    # share left, say), while k >= 1 keeps admitting the next steps' prompts, so the batch stays at its window and
+    # the tail decodes at that batch's step time (1-device replicas at k >= 1 read ~2x fast without this: issue 19)
+    tail_batch = min(batch, per_replica / 4) if per_step_batch else batch
+    tail = w.longest * lat.step_time(max(1.0, tail_batch))
     return work, tail
 
 
@@ -220,6 +224,26 @@ def ideal_samples_per_s(w: Workload, devices: int, node_size: int) -> float:
         dt = t * node_size
         best = min(best, max(w.samples * per_device / (devices - dt), train(dt)))
     return w.samples / best
+
+
+def work_bound_samples_per_s(w: Workload, c: Candidate) -> float:
+    """Samples/s of ``c`` if its replicas decoded at the largest batch they may run and nothing else cost time.
+
+    Rollout: the step's samples at the mean (capped) response length, decoded at the batch of
+    ``min(max_running_seqs, max_inflight)`` with their prompts' prefill, shared evenly over the replicas (no tail,
+    no idle replica, no wasted tokens); training: ``train_time`` of the step's tokens. k = 0 does the two one after
+    the other (the next rollout needs the new weights), k >= 1 overlaps them. Looser than
+    :func:`estimate_step_seconds` and meant as a ceiling for pruning a reference sweep (benchmarks/plan_check.py
+    ``--bounded-sweep``): it is a bound on modelled work at the *mean* length, not a strict bound on one finite
+    sample of lengths (whose mean differs by ~1-2 % at thousands of samples per step), hence that sweep's margin.
+    """
+    lat = w.rollout.model_copy(update={"devices_per_replica": c.devices_per_replica})
+    batch = max(1, min(w.max_running, w.max_inflight))
+    roll = w.samples * (w.response_tokens / lat.decode_throughput(batch) + lat.prefill_time(w.prompt_tokens))
+    roll /= c.replicas
+    tokens = int(w.samples * (w.prompt_tokens + w.response_tokens))
+    train = w.train.model_copy(update={"devices": c.trainer_devices}).train_time(tokens)
+    return w.samples / (roll + train if c.k == 0 else max(roll, train))
 
 
 # ------------------------------------------------------------------------------------------- simulation

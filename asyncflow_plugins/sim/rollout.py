@@ -231,7 +231,14 @@ class SimRolloutEngine(RolloutEngine):
         return Health(ok=True, detail=detail, in_flight=len(self._inflight))
 
     # -- generate -----------------------------------------------------------------
-    async def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
+    def generate(self, requests: Sequence[GenerationRequest]) -> AsyncIterator[GenerationResult]:
+        # an async iterator object, not an async generator: the loop's first-iteration hook adds every async
+        # generator to a WeakSet, and a run makes one generate call per request (~135k at 1,024 devices).
+        # Everything happens on the first iteration, as in an async generator's body.
+        return _Generation(self, requests)
+
+    async def _open(self, requests: Sequence[GenerationRequest], queue: _Inbox) -> list[_Seq]:
+        """The first iteration of a generate() call: check the call, wait out a pause, submit the requests."""
         self._check_started()
         inflight = self._inflight
         if len(requests) == 1:  # the runtime's usual call: one request, no set to build
@@ -253,25 +260,18 @@ class SimRolloutEngine(RolloutEngine):
             dupes = {i for i in ids if i in self._inflight}
             if dupes:
                 raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
-        queue = _Inbox()
         mine = [self._submit(r, queue) for r in requests]
-        pending = len(mine)
         if self._could_admit():
             self._poke_scheduler()
-        try:
-            while pending:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise EngineError(f"the sim rollout scheduler failed: {item!r}") from item
-                pending -= 1
-                yield item
-        finally:
-            if pending:  # the consumer went away: free the batch slots its requests hold
-                for seq in mine:
-                    if seq.state != "done":
-                        seq.cancelled = True
-                        self._mark_abort(seq)
-                self._poke_scheduler()
+        return mine
+
+    def _drop(self, mine: list[_Seq]) -> None:
+        """A generate() call's consumer went away before its last result: free the slots its requests hold."""
+        for seq in mine:
+            if seq.state != "done":
+                seq.cancelled = True
+                self._mark_abort(seq)
+        self._poke_scheduler()
 
     def _submit(self, request: GenerationRequest, owner: _Inbox) -> _Seq:
         c = self.config
@@ -347,8 +347,19 @@ class SimRolloutEngine(RolloutEngine):
         packing copies them). Copying here costs ~20% of engine-only time.
         """
         r = seq.request
-        start = seq.offset + seq.prefix_len
         lengths_only = self.config.payload == "lengths"
+        if lengths_only and new and not seq.prefix_len:  # the usual lengths-only result: one stamp if one version
+            first = seq.admit_step + 1
+            steps = self._log_steps
+            i = bisect.bisect_right(steps, first) - 1
+            if i + 1 == len(steps) or steps[i + 1] > seq.admit_step + new:
+                v = self._log_versions[i]
+                token_ids, logprobs = self._no_values(new)
+                return with_version_range(GenerationResult(
+                    request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=token_ids,
+                    logprobs=logprobs, versions=self._stamp(v, new), finish_reason=reason, error=error,
+                    metadata=r.metadata), v, v)
+        start = seq.offset + seq.prefix_len
         ids: list[torch.Tensor] = []
         lps: list[torch.Tensor] = []
         vers: list[torch.Tensor] = []
@@ -711,21 +722,96 @@ _STAMPS: dict[int | tuple[int, int], torch.Tensor] = {}
 #: prompts (tuples, so immutable) known to lie inside a vocabulary -> its size: the n samples of a group and the
 #: retries of a row send one prompt many times, and a dict hit costs ~1/7 of scanning 512 ids for min and max
 _PROMPTS_IN_VOCAB: dict[tuple[int, ...], int] = {}
-_PROMPTS_MAX = 1024  #: entries kept (each holds a prompt alive; the cache is cleared when full)
+#: the same by the prompt object's id -> (the prompt, the size): the rollout stage hands a group's rows one tuple, and
+#: a lookup by id does not hash 512 ids (a tuple does not cache its hash); the entry holds the prompt alive, so the
+#: id is not reused while it lives
+_PROMPTS_BY_ID: dict[int, tuple[tuple[int, ...], int]] = {}
+_PROMPTS_MAX = 1024  #: entries kept (each holds a prompt alive; the caches are cleared when full)
 
 
 def _in_vocab(prompt: tuple[int, ...], vocab_size: int) -> bool:
     """Whether every id of ``prompt`` is in ``[0, vocab_size)`` (remembered per prompt for tuples)."""
     cacheable = type(prompt) is tuple
-    if cacheable and _PROMPTS_IN_VOCAB.get(prompt) == vocab_size:
-        return True
+    if cacheable:
+        hit = _PROMPTS_BY_ID.get(id(prompt))
+        if hit is not None and hit[0] is prompt and hit[1] == vocab_size:
+            return True
+        if _PROMPTS_IN_VOCAB.get(prompt) == vocab_size:
+            _remember(prompt, vocab_size)
+            return True
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         return False
     if cacheable:
-        if len(_PROMPTS_IN_VOCAB) >= _PROMPTS_MAX:
-            _PROMPTS_IN_VOCAB.clear()
-        _PROMPTS_IN_VOCAB[prompt] = vocab_size
+        _remember(prompt, vocab_size)
     return True
+
+
+def _remember(prompt: tuple[int, ...], vocab_size: int) -> None:
+    if len(_PROMPTS_IN_VOCAB) >= _PROMPTS_MAX or len(_PROMPTS_BY_ID) >= _PROMPTS_MAX:
+        _PROMPTS_IN_VOCAB.clear()
+        _PROMPTS_BY_ID.clear()
+    _PROMPTS_IN_VOCAB[prompt] = vocab_size
+    _PROMPTS_BY_ID[id(prompt)] = (prompt, vocab_size)
+
+
+class _Generation:
+    """The async iterator of one generate() call (what an async generator would do, without its per-call hooks).
+
+    The first ``__anext__`` checks and submits the requests (:meth:`SimRolloutEngine._open`); each one then waits
+    for the next result. When the consumer leaves early (cancelled while waiting, ``aclose()``, or dropped with
+    results still due) the requests left are aborted and dropped, as an async generator's ``finally`` would.
+    """
+
+    __slots__ = ("_engine", "_requests", "_inbox", "_mine", "_pending", "_closed")
+
+    def __init__(self, engine: SimRolloutEngine, requests: Sequence[GenerationRequest]) -> None:
+        self._engine = engine
+        self._requests: Sequence[GenerationRequest] | None = requests
+        self._inbox = _Inbox()
+        self._mine: list[_Seq] | None = None
+        self._pending = 0
+        self._closed = False
+
+    def __aiter__(self) -> _Generation:
+        return self
+
+    async def __anext__(self) -> GenerationResult:
+        if self._closed:
+            raise StopAsyncIteration
+        if self._mine is None:
+            requests, self._requests = self._requests, None
+            try:
+                self._mine = await self._engine._open(requests, self._inbox)
+            except BaseException:
+                self._closed = True
+                raise
+            self._pending = len(self._mine)
+        if not self._pending:
+            self._closed = True
+            raise StopAsyncIteration
+        try:
+            item = await self._inbox.get()
+        except BaseException:
+            self._leave()
+            raise
+        if isinstance(item, BaseException):
+            self._leave()
+            raise EngineError(f"the sim rollout scheduler failed: {item!r}") from item
+        self._pending -= 1
+        return item  # type: ignore[return-value]
+
+    def _leave(self) -> None:
+        self._closed = True
+        if self._pending:
+            self._pending = 0
+            self._engine._drop(self._mine or [])
+
+    async def aclose(self) -> None:
+        self._leave()
+
+    def __del__(self) -> None:
+        if not self._closed and self._pending:
+            self._leave()
 
 
 class _Inbox:
