@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import logging
 import os
@@ -51,6 +50,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncflow_core.errors import ConfigError
+from asyncflow_core.flow.reward_stage import score_each
 from asyncflow_core.flow.roles import Placement, RoleSpec, WeightPolicy, instance_options
 from asyncflow_core.interfaces import Reward
 from asyncflow_core.plugins import RewardBackend, hookimpl
@@ -736,18 +736,7 @@ class CombinedReward(Reward):
         many = getattr(reward, "score_many", None)
         if callable(many):
             return list(await many(samples, timeout_s))
-        out = []
-        for s in samples:
-            try:
-                v = reward.score(s)
-                if inspect.isawaitable(v):
-                    v = await asyncio.wait_for(v, timeout_s)
-                out.append((True, v))
-            except TimeoutError:
-                out.append((False, f"timed out after {timeout_s}s"))
-            except Exception as exc:  # noqa: BLE001
-                out.append((False, f"{type(exc).__name__}: {exc}"))
-        return out
+        return await score_each(reward, list(samples), timeout_s)
 
     async def score_many(self, samples: Sequence[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
         per_term = await asyncio.gather(*(self._term(r, samples, timeout_s) for _, _, r in self.terms))

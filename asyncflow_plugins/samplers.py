@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import itertools
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -95,28 +96,31 @@ class GroupSampler(Sampler):
                 "hands out whole groups only"
             )
         wanted = request.batch_size // gs
-        g = candidates.group_ids
-        vpos = ((g >= 0) & (candidates.group_ready >= gs)).nonzero().squeeze(1)
-        if vpos.numel() == 0:
+        # numpy (the candidates are CPU tensors): a dozen small-array ops on the calling thread; in torch each
+        # is a dispatch and a release of the GIL that the driver's rollout engine thread takes
+        g = candidates.group_ids.numpy()
+        n = g.size
+        vpos = np.flatnonzero((g >= 0) & (candidates.group_ready.numpy() >= gs))
+        if vpos.size == 0:
             return _EMPTY
-        uniq, inv = torch.unique(g[vpos], return_inverse=True)
-        first = torch.full((uniq.numel(),), len(candidates), dtype=torch.int64).scatter_reduce(
-            0, inv, vpos, reduce="amin"
-        )
-        age_rank = torch.empty_like(first)
-        age_rank[torch.argsort(first)] = torch.arange(first.numel())
-        take = min(wanted, uniq.numel())
+        uniq, inv = np.unique(g[vpos], return_inverse=True)
+        inv = inv.reshape(-1)
+        first = np.full(uniq.size, n, dtype=np.int64)
+        np.minimum.at(first, inv, vpos)
+        age_rank = np.empty_like(first)
+        age_rank[np.argsort(first)] = np.arange(first.size)  # first positions are distinct: no ties
+        take = min(wanted, uniq.size)
         if take < wanted and not request.partial:
             return _EMPTY
         # rank of each row inside its group (vpos ascending + stable sort keeps arrival order)
-        order = torch.sort(inv, stable=True).indices
+        order = np.argsort(inv, kind="stable")
         sorted_inv = inv[order]
-        seg_start = torch.searchsorted(sorted_inv, sorted_inv)
-        within = torch.empty_like(inv)
-        within[order] = torch.arange(inv.numel()) - seg_start
+        seg_start = np.searchsorted(sorted_inv, sorted_inv)
+        within = np.empty_like(inv)
+        within[order] = np.arange(inv.size) - seg_start
         keep = (age_rank[inv] < take) & (within < gs)
         sel, sel_rank = vpos[keep], age_rank[inv[keep]]
-        sel = sel[torch.argsort(sel_rank * (len(candidates) + 1) + sel)]
+        sel = torch.from_numpy(sel[np.argsort(sel_rank * (n + 1) + sel)].astype(np.int64, copy=False))
         if request.dp_size == 1:
             return sel
         groups = torch.tensor_split(torch.arange(take), request.dp_size)[request.dp_rank]

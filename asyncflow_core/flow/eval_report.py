@@ -7,8 +7,6 @@ The queue, the rounds and the scheduler that pins evaluations to versions are in
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +15,7 @@ from typing import Any
 
 import torch
 
+from asyncflow_core.flow.reward_stage import score_each
 from asyncflow_core.flow.telemetry import MetricsWriter, load_metrics
 from asyncflow_core.types import RewardInput
 
@@ -79,20 +78,7 @@ class Evaluator:
         score_many = getattr(self.reward, "score_many", None)
         if callable(score_many):
             return list(await score_many(samples, self.timeout_s))
-        out = []
-        for s in samples:
-            try:
-                value = self.reward.score(s)
-                if inspect.isawaitable(value):
-                    value = await asyncio.wait_for(value, self.timeout_s)
-                out.append((True, value))
-            except asyncio.CancelledError:
-                raise
-            except TimeoutError:
-                out.append((False, f"timed out after {self.timeout_s}s"))
-            except Exception as exc:  # noqa: BLE001 - counted as a failed eval sample
-                out.append((False, f"{type(exc).__name__}: {exc}"))
-        return out
+        return await score_each(self.reward, samples, self.timeout_s)
 
     async def evaluate(self, rnd: Any) -> dict[str, Any]:
         """The round's metrics record (written where the run writes metrics); returned too."""

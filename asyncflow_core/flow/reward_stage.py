@@ -28,7 +28,7 @@ from asyncflow_core.interfaces import Reward
 from asyncflow_core.interfaces.features import reward_features
 from asyncflow_core.types import Batch, RaggedTensor, RewardInput
 
-__all__ = ["RewardStage", "reward_extras"]
+__all__ = ["RewardStage", "reward_extras", "score_each"]
 
 log = logging.getLogger(__name__)
 
@@ -57,30 +57,22 @@ class RewardStage(Stage):
 
     async def process(self, batch: Batch) -> StageOutput:
         ctx = self.ctx
-        resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
-        prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
+        n = batch.num_rows
         gids = batch[C.GROUP_ID].tolist()
-        rows = batch.row_ids.tolist() if batch.row_ids is not None else list(range(batch.num_rows))
-        out = torch.zeros(batch.num_rows, dtype=torch.float32)
-        slot = {k: j for j, k in enumerate(self.extra_keys)}
-        extras = torch.full((len(slot), batch.num_rows), float("nan"), dtype=torch.float32)
-        samples = []
-        for i in range(batch.num_rows):
-            info = ctx.ledger.groups.get(int(gids[i]))
-            record = info.record if info is not None else None
-            completion_ids = resp[i]
-            samples.append(RewardInput(
-                prompt=record.prompt if record else "",
-                completion=self.tokenizer.decode(completion_ids.tolist()) if self.needs_text else "",
-                prompt_token_ids=tuple(prompts[i].tolist()) if self.needs_text else (),
-                completion_token_ids=tuple(completion_ids.tolist()) if self.needs_text else (),
-                metadata=dict(record.metadata) if record else {},
-            ))
+        rows = batch.row_ids.tolist() if batch.row_ids is not None else list(range(n))
+        samples = [RewardInput(prompt=record.prompt if record else "", completion=text,
+                               prompt_token_ids=prompt, completion_token_ids=completion,
+                               metadata=dict(record.metadata) if record else {})
+                   for record, text, prompt, completion in zip(self._records(gids), *self._texts(batch))]
         if self.features.supports_score_many:
             # a remote reward pool scores the whole batch in one round trip: (True, value) or (False, why) each
             answers = await self.reward.score_many(samples, self.timeout_s)  # type: ignore[attr-defined]
         else:
-            answers = [await self._score_one(sample) for sample in samples]
+            answers = await score_each(self.reward, samples, self.timeout_s)
+        # plain lists, one tensor per column at the end: a per-sample tensor write costs the driver's GIL
+        out = [0.0] * n
+        slot = {k: j for j, k in enumerate(self.extra_keys)}
+        extras = [[math.nan] * n for _ in slot]
         for i, (ok, value) in enumerate(answers):
             try:
                 if not ok:
@@ -95,7 +87,7 @@ class RewardStage(Stage):
                     for key, v in extra.items():
                         j = slot.get(key)
                         if j is not None:
-                            extras[j, i] = v
+                            extras[j][i] = v
                         else:
                             self._undeclared(key)
                 else:
@@ -103,7 +95,30 @@ class RewardStage(Stage):
             except Exception as exc:  # noqa: BLE001 - one sample's failure is recorded, the run goes on
                 why = str(exc) if isinstance(exc, _Failed) else f"{type(exc).__name__}: {exc}"
                 ctx.fail_rows(self.name, [rows[i]], why)
-        return StageOutput({C.REWARD: out, **{C.reward_extra(k): extras[j] for k, j in slot.items()}})
+        return StageOutput({C.REWARD: torch.tensor(out, dtype=torch.float32),
+                            **{C.reward_extra(k): torch.tensor(extras[j], dtype=torch.float32)
+                               for k, j in slot.items()}})
+
+    def _records(self, gids: list[int]) -> list[Any]:
+        """Each row's prompt record (None for a group the ledger no longer holds)."""
+        groups = self.ctx.ledger.groups
+        infos = [groups.get(int(g)) for g in gids]
+        return [info.record if info is not None else None for info in infos]
+
+    def _texts(self, batch: Batch) -> tuple[list[str], list[tuple], list[tuple]]:
+        """Per row: completion text, prompt ids, completion ids; empty unless the reward ``needs_text``.
+
+        One ``tolist`` per column, sliced by the offsets in Python: the same values a per-row
+        ``ids[i].tolist()`` gives, without two tensor calls per row.
+        """
+        n = batch.num_rows
+        if not self.needs_text:
+            return [""] * n, [()] * n, [()] * n
+        resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
+        prompts: RaggedTensor = batch[C.PROMPT_IDS]  # type: ignore[assignment]
+        completions = _split(resp)
+        decode = self.tokenizer.decode
+        return [decode(c) for c in completions], [tuple(p) for p in _split(prompts)], [tuple(c) for c in completions]
 
     def _undeclared(self, key: str) -> None:
         if not self.undeclared[key]:
@@ -111,20 +126,6 @@ class RewardStage(Stage):
                         "it (RewardFeatures(extras=(%r, ...)) in its features, or a class attribute extras) to get a "
                         "%s column and a reward/%s metric", self._label(), key, key, C.reward_extra(key), key)
         self.undeclared[key] += 1
-
-    async def _score_one(self, sample: RewardInput) -> tuple[bool, Any]:
-        """``(True, value)``, or ``(False, why)`` when the reward raised or timed out."""
-        try:
-            value = self.reward.score(sample)
-            if inspect.isawaitable(value):
-                value = await asyncio.wait_for(value, self.timeout_s)
-            return True, value
-        except asyncio.CancelledError:
-            raise
-        except TimeoutError:
-            return False, f"timed out after {self.timeout_s}s"
-        except Exception as exc:  # noqa: BLE001 - recorded on the sample by the caller
-            return False, f"{type(exc).__name__}: {exc}"
 
     def _label(self) -> str:
         return repr(self.reward_name) if self.reward_name else type(self.reward).__name__
@@ -141,6 +142,32 @@ class RewardStage(Stage):
 
 class _Failed(Exception):
     """A reward that raised or timed out; the message is already the sample's recorded error."""
+
+
+async def score_each(reward: Reward, samples: list[RewardInput], timeout_s: float) -> list[tuple[bool, Any]]:
+    """``(True, value)`` or ``(False, why)`` per sample, one after the other (an async reward awaited each, up to
+    ``timeout_s``); a reward that raised or timed out is a ``(False, why)``, never an exception."""
+    answers: list[tuple[bool, Any]] = []
+    for sample in samples:
+        try:
+            value = reward.score(sample)
+            if inspect.isawaitable(value):
+                value = await asyncio.wait_for(value, timeout_s)
+            answers.append((True, value))
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            answers.append((False, f"timed out after {timeout_s}s"))
+        except Exception as exc:  # noqa: BLE001 - recorded on the sample by the caller
+            answers.append((False, f"{type(exc).__name__}: {exc}"))
+    return answers
+
+
+def _split(ragged: RaggedTensor) -> list[list]:
+    """Each row of ``ragged`` as a Python list (``ragged[i].tolist()``), from one ``tolist`` of the values."""
+    values = ragged.values.tolist()
+    offsets = ragged.offsets.tolist()
+    return [values[a:b] for a, b in zip(offsets, offsets[1:])]
 
 
 

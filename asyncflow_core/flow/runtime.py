@@ -36,6 +36,7 @@ from asyncflow_core.flow.canary import Canary
 from asyncflow_core.flow.episode import build_episodes
 from asyncflow_core.flow.checkpoint import Checkpointer, CheckpointState, latest_checkpoint
 from asyncflow_core.flow.events import VersionPublished
+from asyncflow_core.flow.heap import freeze_startup, thaw
 from asyncflow_core.flow.ledger import Ledger
 from asyncflow_core.flow.pipeline import PipelinePlan
 from asyncflow_core.flow.roles import RoleSpec, Roles, run_roles
@@ -338,8 +339,10 @@ class FlowRuntime:
                 # real models: every replica starts from the trainer's weights, whatever seeds each side was given
                 await self._push_weights(trainer, ctx, rollout, transport)
             step_log.started()  # step 1's width starts now, not before the engines' start-up
+            freeze_startup()  # the start-up heap leaves the collector's full passes (flow/heap.py)
 
         async def stop(clean: bool) -> None:
+            thaw()
             if clean and evals is not None:  # the rounds still open (the last version's), on the newest weights
                 await finish_evals(evals, rollout, ctx, cfg.rollout.max_inflight)
             with contextlib.suppress(Exception):  # the environment pool's workers (multi-turn episodes)

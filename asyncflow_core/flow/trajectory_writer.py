@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import torch
@@ -90,39 +91,69 @@ class TrajectoryWriter:
         self.on_written()
 
     def _result_columns(self, items: list) -> tuple[dict[str, Any], list[tuple[int, int]], int]:
-        """:data:`ROLLOUT_OUT` of single-turn results (packed without a per-token Python loop)."""
+        """:data:`ROLLOUT_OUT` of single-turn results, one tensor per column for the whole write.
+
+        Results holding plain sequences (the ``torch`` engine's lists) are chained into one list per column
+        and become one tensor each; a write in which some result holds tensors (a simulated engine's
+        lengths-only ids) is packed tensor by tensor (:meth:`_tensor_columns`). Either way there is no
+        per-token Python loop, and no per-row tensor op on the common path: a torch call costs a few µs of
+        the driver's GIL, which the rollout engine's thread waits for.
+        """
         ctx = self.ctx
-        ids, lps, vers, lengths, vrange, cut = [], [], [], [], [], []
+        version = ctx.version
+        vrange: list[tuple[int, int]] = []
+        cut: list[bool] = []
+        lengths: list[int] = []
+        tensors = False
         for q, res in items:
-            cut.append(res is not None and res.finish_reason is FinishReason.LENGTH)
+            if res is None:
+                cut.append(False)
+                lengths.append(0)
+                vrange.append((version, version))
+                continue
+            cut.append(res.finish_reason is FinishReason.LENGTH)
+            tensors = tensors or isinstance(res.token_ids, torch.Tensor) or isinstance(res.logprobs, torch.Tensor) \
+                or isinstance(res.versions, torch.Tensor)
+            lengths.append(len(res.token_ids))
+            lo = res.min_version if res.min_version is not None else version
+            origin = getattr(q, "origin_version", None)  # set under staleness_basis: request_start
+            if origin is not None:
+                lo = min(lo, origin)  # the row's age counts from its request's start
+            hi = res.max_version if res.max_version is not None else version
+            vrange.append((lo, hi))
+        if tensors:
+            ids, lps, vers = self._tensor_columns(items)
+        else:
+            done = [res for _, res in items if res is not None]
+            ids = torch.tensor(list(chain.from_iterable(r.token_ids for r in done)), dtype=torch.int64)
+            lps = torch.tensor(list(chain.from_iterable(r.logprobs for r in done)), dtype=torch.float32)
+            vers = torch.tensor(list(chain.from_iterable(r.versions for r in done)), dtype=torch.int64)
+        lens = torch.tensor(lengths, dtype=torch.int64)
+        cols = {
+            C.RESPONSE_IDS: RaggedTensor.from_lengths(ids, lens),
+            C.BEHAVIOR_LOGPROBS: RaggedTensor.from_lengths(lps, lens),
+            C.RESPONSE_VERSIONS: RaggedTensor.from_lengths(vers, lens),
+            C.TRUNCATED: torch.tensor(cut, dtype=torch.bool),
+        }
+        return cols, vrange, sum(lengths)
+
+    @staticmethod
+    def _tensor_columns(items: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids, log-probs and versions of results some of which hold tensors, concatenated row by row."""
+        ids, lps, vers = [], [], []
+        for _, res in items:
             if res is None:
                 ids.append(torch.empty(0, dtype=torch.int64))
                 lps.append(torch.empty(0, dtype=torch.float32))
                 vers.append(torch.empty(0, dtype=torch.int64))
-                lengths.append(0)
-                vrange.append((ctx.version, ctx.version))
                 continue
             ids.append(torch.as_tensor(res.token_ids, dtype=torch.int64))
             lps.append(torch.as_tensor(res.logprobs, dtype=torch.float32))
             # versions are stored at the width of the token ids: lengths-only (zero-width) ids of a simulated
-            # engine get lengths-only versions (the row's version range is put beside them, below)
+            # engine get lengths-only versions (the row's version range is put beside them, above)
             v = torch.as_tensor(res.versions, dtype=torch.int64)
             vers.append(v if ids[-1].dim() == 1 else v.new_empty((v.shape[0], *ids[-1].shape[1:])))
-            lengths.append(len(res.token_ids))
-            lo = res.min_version if res.min_version is not None else ctx.version
-            origin = getattr(q, "origin_version", None)  # set under staleness_basis: request_start
-            if origin is not None:
-                lo = min(lo, origin)  # the row's age counts from its request's start
-            hi = res.max_version if res.max_version is not None else ctx.version
-            vrange.append((lo, hi))
-        lens = torch.tensor(lengths, dtype=torch.int64)
-        cols = {
-            C.RESPONSE_IDS: RaggedTensor.from_lengths(torch.cat(ids), lens),
-            C.BEHAVIOR_LOGPROBS: RaggedTensor.from_lengths(torch.cat(lps), lens),
-            C.RESPONSE_VERSIONS: RaggedTensor.from_lengths(torch.cat(vers), lens),
-            C.TRUNCATED: torch.tensor(cut, dtype=torch.bool),
-        }
-        return cols, vrange, int(lens.sum())
+        return torch.cat(ids), torch.cat(lps), torch.cat(vers)
 
     def _episode_columns(self, items: list) -> tuple[dict[str, Any], list[tuple[int, int]], int]:
         """:attr:`columns` of episodes (a :class:`Trajectory` per row; None: a placeholder row)."""

@@ -115,7 +115,7 @@ class _DPRound:
 
 
 def _as_ids(row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-    return torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+    return torch.as_tensor(row_ids, dtype=torch.int64, device="cpu").reshape(-1)
 
 
 def normalize_versions(versions: torch.Tensor | Sequence | None, n: int) -> torch.Tensor | None:
@@ -125,14 +125,15 @@ def normalize_versions(versions: torch.Tensor | Sequence | None, n: int) -> torc
     """
     if versions is None:
         return None
-    v = torch.as_tensor(versions, dtype=torch.int64)
+    v = torch.as_tensor(versions, dtype=torch.int64, device="cpu")
     if v.dim() == 1:
         v = torch.stack([v, v], dim=1)
     if tuple(v.shape) != (n, 2):
         raise InvalidRequestError(
             f"versions must have shape [{n}, 2] (min and max policy version per row) or [{n}], got {tuple(v.shape)}"
         )
-    if bool((v < 0).any()) or bool((v[:, 0] > v[:, 1]).any()):
+    a = v.numpy()  # the checks in numpy: no torch call (store/indexing.py)
+    if bool((a < 0).any()) or bool((a[:, 0] > a[:, 1]).any()):
         raise InvalidRequestError("versions must be non-negative with min <= max per row")
     return v
 
@@ -141,9 +142,10 @@ def has_repeats(ids: torch.Tensor) -> bool:
     """Whether a 1-D int tensor holds a value twice (strictly increasing ids, the usual case, skip the sort)."""
     if ids.numel() < 2:
         return False
-    if bool((ids[1:] > ids[:-1]).all()):
+    a = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+    if bool((a[1:] > a[:-1]).all()):
         return False
-    return torch.unique(ids).numel() != ids.numel()
+    return np.unique(a).size != a.size
 
 
 def _grow(t: torch.Tensor, cap: int, fill: int = 0) -> torch.Tensor:
@@ -449,19 +451,24 @@ class Controller:
         if (memo is not None and memo[0] == self._slots_gen and memo[1].numel() == ids.numel()
                 and torch.equal(memo[1], ids)):
             return memo[2]
+        # numpy: a handful of small-array ops on the calling thread, where each torch call would cost a dispatch
+        # and a release of the GIL that the rollout engine's thread takes (docs/performance.md)
+        a = ids.numpy()
         if self._n == 0:
-            ok = torch.zeros_like(ids, dtype=torch.bool)
+            ok = np.zeros(a.size, dtype=bool)
             pos = ids
         else:
-            known = self._row_id[: self._n]
-            pos = torch.searchsorted(known, ids).clamp_(max=self._n - 1)
-            ok = (take(known, pos) == ids) & take(self._alive, pos)
+            known = self._row_id.numpy()[: self._n]
+            p = np.searchsorted(known, a)
+            np.minimum(p, self._n - 1, out=p)
+            ok = (known[p] == a) & self._alive.numpy()[p]
+            pos = torch.from_numpy(p)
         if bool(ok.all()):
             self._slots_memo = (self._slots_gen, ids.clone(), pos)
             return pos
         if missing == "drop":
-            return take(pos, where(ok))
-        bad = ids[~ok][:8].tolist()
+            return torch.from_numpy(pos.numpy()[ok])
+        bad = a[~ok][:8].tolist()
         raise UnknownRowError(
             f"unknown row ids {bad}{' ...' if int((~ok).sum()) > 8 else ''}: they were never put, or were already "
             "collected or cleared. Use the row_ids of a meta that put() or get_meta() returned"
@@ -499,15 +506,17 @@ class Controller:
             if tok.numel() != n:
                 raise InvalidRequestError(f"num_tokens has {tok.numel()} entries for {n} rows")
         written = self._need_masks(columns)
+        s = slots.numpy()  # the table updates in numpy, in place (see _slots)
+        ready = self._ready.numpy()
         for w, mask in written:
-            col = self._ready[:, w]
-            assign(col, slots, take(col, slots) | mask)
+            ready[s, w] |= mask  # slots never repeat (check_rows)
         # readiness of other columns is unchanged, so a kept mask that needs none of these stays as it is
         self._refresh_eligible(slots, touching=dict(written))
         if v is not None:
-            cur_min, cur_max = take(self._minv, slots), take(self._maxv, slots)
-            assign(self._minv, slots, torch.where(cur_min < 0, v[:, 0], torch.minimum(cur_min, v[:, 0])))
-            assign(self._maxv, slots, torch.maximum(cur_max, v[:, 1]))
+            a, minv, maxv = v.numpy(), self._minv.numpy(), self._maxv.numpy()
+            cur = minv[s]
+            minv[s] = np.where(cur < 0, a[:, 0], np.minimum(cur, a[:, 0]))
+            maxv[s] = np.maximum(maxv[s], a[:, 1])
         if tok is not None:
             assign(self._tokens, slots, tok)
 
@@ -550,27 +559,30 @@ class Controller:
         slots = self._slots(row_ids, missing="drop")
         if slots.numel() == 0:
             return False
-        elig = self._eligible_mask(t.index, tuple(self._need_masks(columns)))
-        fresh = take(slots, where(elig.index_select(0, slots)))
-        if fresh.numel() == 0:
+        # numpy throughout (called after every put a group lease waits on; see _slots)
+        elig = self._eligible_mask(t.index, tuple(self._need_masks(columns))).numpy()
+        group = self._group.numpy()
+        s = slots.numpy()
+        fresh = s[elig[s]]
+        if fresh.size == 0:
             return False
-        groups = torch.unique(self._group.index_select(0, fresh))
+        groups = np.unique(group[fresh])
         groups = groups[groups >= 0]
-        if groups.numel() == 0:
+        if groups.size == 0:
             return False  # ungrouped rows: a whole-group sampler never hands them out
         spans = [self._group_span.get(g) for g in groups.tolist()]
         if any(span is None for span in spans):
             return True
-        known = self._row_id[: self._n]
-        first = torch.searchsorted(known, torch.tensor([a for a, _ in spans], dtype=torch.int64))
-        lens = torch.searchsorted(known, torch.tensor([b for _, b in spans], dtype=torch.int64), right=True) - first
+        known = self._row_id.numpy()[: self._n]
+        first = np.searchsorted(known, np.array([a for a, _ in spans], dtype=np.int64))
+        lens = np.searchsorted(known, np.array([b for _, b in spans], dtype=np.int64), side="right") - first
         total = int(lens.sum())
-        if total > 4 * group_size * groups.numel() + 1024:
+        if total > 4 * group_size * groups.size + 1024:
             return True  # a group spread over many rows (re-used ids): not worth the scan
-        seg = torch.repeat_interleave(torch.arange(groups.numel()), lens)
-        idx = torch.arange(total) - (torch.cumsum(lens, 0) - lens)[seg] + first[seg]
-        hit = elig.index_select(0, idx) & (self._group.index_select(0, idx) == groups[seg])
-        counts = torch.zeros(groups.numel(), dtype=torch.int64).index_add_(0, seg, hit.to(torch.int64))
+        seg = np.repeat(np.arange(groups.size), lens)
+        idx = np.arange(total) - (np.cumsum(lens) - lens)[seg] + first[seg]
+        hit = elig[idx] & (group[idx] == groups[seg])
+        counts = np.bincount(seg[hit], minlength=groups.size)
         return bool((counts >= group_size).any())
 
     # ------------------------------------------------------------------ leasing
@@ -668,10 +680,12 @@ class Controller:
             for w, need in needs:
                 ok &= (self._ready[slots, w] & need) == need
             return ok
-        ok = (take(self._state[task_index], slots) == FREE) & take(self._alive, slots)
+        s = slots.numpy()
+        ok = (self._state[task_index].numpy()[s] == FREE) & self._alive.numpy()[s]
+        ready = self._ready.numpy()
         for w, need in needs:
-            ok &= (take(self._ready[:, w], slots) & need) == need
-        return ok
+            ok &= (ready[s, w] & need) == need
+        return torch.from_numpy(ok)
 
     def _eligible_mask(self, task_index: int, needs: tuple[tuple[int, int], ...]) -> torch.Tensor:
         """The kept-up-to-date eligibility of every slot (see ``_eligible_cache``); built on first use."""
@@ -843,12 +857,13 @@ class Controller:
             return [torch.empty(0, dtype=torch.int64)] * dp_size
         parts = []
         for r in range(dp_size):
-            pos = torch.as_tensor(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size)), dtype=torch.int64)
+            pos = torch.as_tensor(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size)), dtype=torch.int64,
+                                  device="cpu")
             parts.append(pos.reshape(-1))
         allpos = torch.cat(parts) if dp_size > 1 else parts[0]
         if allpos.numel():
-            lo, hi = torch.aminmax(allpos)
-            if int(lo) < 0 or int(hi) >= len(cands):
+            a = allpos.numpy()
+            if int(a.min()) < 0 or int(a.max()) >= len(cands):
                 raise InvalidRequestError(f"sampler {type(smp).__name__} returned positions outside the candidates")
             if has_repeats(allpos):
                 raise InvalidRequestError(
@@ -1114,9 +1129,11 @@ class Controller:
             slots = torch.from_numpy(np.flatnonzero(self._alive[: self._n].numpy()))
         else:
             slots = self._slots(row_ids, missing="drop")
-        done = torch.ones(slots.numel(), dtype=torch.bool)
-        covered = torch.zeros(slots.numel(), dtype=torch.bool)
-        part = take(self._partition, slots) if any(t.partition is not None for t in consumers) else None
+        # numpy: a few small-array ops per consumer task on every ack, without a torch call each (_slots)
+        s = slots.numpy()
+        done = np.ones(s.size, dtype=bool)
+        covered = np.zeros(s.size, dtype=bool)
+        part = self._partition.numpy()[s] if any(t.partition is not None for t in consumers) else None
         for t in consumers:
             if t.partition is None:
                 applies = None  # every row
@@ -1124,14 +1141,14 @@ class Controller:
                 applies = part == self._partitions[t.partition]
             else:
                 continue
-            is_done = take(self._state[t.index], slots) == DONE
+            is_done = self._state[t.index].numpy()[s] == DONE
             if applies is None:
                 done &= is_done
                 covered[:] = True
             else:
                 done &= is_done | ~applies
                 covered |= applies
-        return self._drop(take(slots, where(done & covered)))
+        return self._drop(torch.from_numpy(s[done & covered]))
 
     def drop_rows(self, row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Drop the live rows among ``row_ids`` now, whatever their task states (e.g. rows a failed put

@@ -9,20 +9,49 @@ gather with 2 threads against 27 µs on one thread, in the same minute, while
 ``index_select`` / ``index_copy_`` / ``index_fill_`` took 8-15 µs either way
 (docs/performance.md, "Streaming store"). The store's control and data
 tables use these helpers on every put, lease, read and ack.
+
+CPU tables of a dtype numpy has go through numpy (views of the same memory,
+fancy indexing on the calling thread), everything else through those torch
+ops. Not for speed alone: every torch call releases the GIL, and in the
+driver of a run the rollout engine's thread is waiting for it, so each call
+on the store's path became a switch to that thread and a wait to get the GIL
+back (docs/performance.md, "Against TRL's GRPOTrainer"). numpy keeps it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+#: dtypes whose tensors the helpers index through numpy (``Tensor.numpy()`` shares their memory)
+_NUMPY = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64,
+                    torch.float32, torch.float16})
+
+
+def _numpy_ok(t: torch.Tensor, idx: torch.Tensor) -> bool:
+    return (t.device.type == "cpu" and idx.device.type == "cpu" and t.dtype in _NUMPY and not t.requires_grad
+            and t.dim() > 0)
 
 
 def take(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``t[idx]`` along the first axis (a new tensor) for an int64 index."""
+    if _numpy_ok(t, idx):
+        return torch.from_numpy(t.numpy()[idx.numpy()])
     return t.index_select(0, idx)
 
 
 def assign(t: torch.Tensor, idx: torch.Tensor, value: torch.Tensor | int | float | bool) -> None:
     """``t[idx] = value`` along the first axis for an int64 index without repeats (a tensor or a scalar)."""
+    if _numpy_ok(t, idx) and (not isinstance(value, torch.Tensor)
+                              or (value.device.type == "cpu" and value.dtype in _NUMPY and not value.requires_grad)):
+        arr = t.numpy()
+        if isinstance(value, torch.Tensor):
+            # the target's dtype, as index_copy_ needs (a bool into int64, an int64 into bool: torch's casts)
+            value = (value if value.dtype == t.dtype else value.to(t.dtype)).numpy()
+        elif isinstance(value, bool) or arr.dtype == np.bool_:
+            value = bool(value) if arr.dtype == np.bool_ else int(value)
+        arr[idx.numpy()] = value
+        return
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         t.index_fill_(0, idx, value)
         return
@@ -36,4 +65,6 @@ def assign(t: torch.Tensor, idx: torch.Tensor, value: torch.Tensor | int | float
 
 def where(mask: torch.Tensor) -> torch.Tensor:
     """Positions of the True entries of a 1-D bool mask (int64), for :func:`take` instead of ``t[mask]``."""
+    if mask.device.type == "cpu" and mask.dim() == 1:
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     return mask.nonzero().squeeze(1)

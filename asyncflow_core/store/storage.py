@@ -564,24 +564,31 @@ def _zero_width(values: torch.Tensor) -> bool:
 
 
 def _segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Positions ``starts[i] .. starts[i] + lengths[i]`` for every segment, concatenated (vectorised)."""
-    total = int(lengths.sum())
+    """Positions ``starts[i] .. starts[i] + lengths[i]`` for every segment, concatenated (vectorised).
+
+    In numpy (the tables are CPU int64): torch's ``repeat_interleave`` path took 0.4 ms a call here, numpy 20 µs.
+    """
+    lens = lengths.numpy()
+    total = int(lens.sum())
     if total == 0:
         return torch.empty(0, dtype=torch.int64)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=total)
-    return take(starts, seg) + (torch.arange(total, dtype=torch.int64) - take(offsets, seg))
+    seg = np.repeat(np.arange(lens.size), lens)
+    offsets = np.cumsum(lens) - lens
+    return torch.from_numpy(starts.numpy()[seg] + (np.arange(total, dtype=np.int64) - offsets[seg]))
 
 
 def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device, views: bool = False) -> RaggedTensor:
     starts, lens = take(store.start, pos), take(store.length, pos)
-    offsets = torch.zeros(pos.numel() + 1, dtype=torch.int64)
-    torch.cumsum(lens, 0, out=offsets[1:])
-    total = int(offsets[-1])
+    # the row bookkeeping in numpy (CPU int64 tables): no torch call, so no release of the GIL (store/indexing.py)
+    st, ln = starts.numpy(), lens.numpy()
+    offs = np.zeros(ln.size + 1, dtype=np.int64)
+    np.cumsum(ln, out=offs[1:])
+    offsets = torch.from_numpy(offs)
+    total = int(offs[-1])
     if _zero_width(store.values):  # lengths-only values: the offsets are the whole column
         values = store.values.new_empty((total, *store.values.shape[1:]))
-    elif pos.numel() and bool((starts[1:] == starts[:-1] + lens[:-1]).all()):
-        s0 = int(starts[0])  # rows written together: one slice instead of a gather
+    elif ln.size and bool((st[1:] == st[:-1] + ln[:-1]).all()):
+        s0 = int(st[0])  # rows written together: one slice instead of a gather
         if views:
             values = store.values[s0 : s0 + total]
             store.viewed = True
@@ -597,4 +604,4 @@ def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device, view
             at += n
     else:
         values = take(store.values, _segment_index(starts, lens).to(device))
-    return RaggedTensor(values, offsets.to(values.device))
+    return RaggedTensor(values, offsets if values.device.type == "cpu" else offsets.to(values.device))

@@ -40,12 +40,15 @@ class RaggedTensor:
             raise BatchError("offsets must hold at least one element (0) for an empty tensor")
         if self.values.dim() == 0:
             raise BatchError("values must have at least one dimension (the packed token axis)")
-        if int(offsets[0]) != 0 or int(offsets[-1]) != self.values.shape[0]:
+        # checked in numpy on the CPU: four torch calls per construction, each releasing the GIL, were a
+        # visible share of the driver's step (docs/performance.md, "Against TRL's GRPOTrainer")
+        o = offsets.numpy() if offsets.device.type == "cpu" and not offsets.requires_grad else offsets.cpu().numpy()
+        if int(o[0]) != 0 or int(o[-1]) != self.values.shape[0]:
             raise BatchError(
                 f"offsets must start at 0 and end at values.shape[0]={self.values.shape[0]}, "
-                f"got {int(offsets[0])}..{int(offsets[-1])}"
+                f"got {int(o[0])}..{int(o[-1])}"
             )
-        if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        if o.size > 1 and bool((o[1:] < o[:-1]).any()):
             raise BatchError("offsets must be non-decreasing")
 
     # -- construction -------------------------------------------------------

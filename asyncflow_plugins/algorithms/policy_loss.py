@@ -16,6 +16,8 @@ PPO) run on the unmasked tokens only, as if the masked ones were not there.
 from __future__ import annotations
 
 import abc
+
+import numpy as np
 import torch
 
 from asyncflow_core import columns as C
@@ -63,8 +65,20 @@ def zero_masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def per_token(row_values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Broadcast one value per row to every token of that row."""
+    """Broadcast one value per row to every token of that row.
+
+    A 1-D CPU tensor outside autograd (advantages, masks) goes through ``numpy.repeat``: 5 µs against 45 µs
+    for ``torch.repeat_interleave`` here, and no release of the GIL, which the driver's advantage stage would
+    otherwise hand to the rollout engine's thread and wait to get back.
+    """
+    if (row_values.device.type == "cpu" and offsets.device.type == "cpu" and row_values.dim() == 1
+            and not row_values.requires_grad and row_values.dtype in _NUMPY_REPEAT):
+        return torch.from_numpy(np.repeat(row_values.numpy(), np.diff(offsets.numpy())))
     return torch.repeat_interleave(row_values, offsets[1:] - offsets[:-1])
+
+
+#: dtypes :func:`per_token` repeats in numpy (the same dtype comes back)
+_NUMPY_REPEAT = (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool)
 
 
 def kl_estimate(logp: torch.Tensor, ref: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:

@@ -47,7 +47,10 @@ engine object, on the CPU or one CUDA device. What it does, step by step:
   lists it (the runtime does, for the model's or the task's end token).
 - **The event loop stays free.** Every forward pass (and the weight copy)
   runs in a worker thread via :func:`asyncio.to_thread`; ``abort``,
-  ``pause`` and ``update_weights`` act at step boundaries.
+  ``pause`` and ``update_weights`` act at step boundaries. The worker decodes
+  step after step while nothing on the loop's side wants in (finished
+  sequences are handed to the loop as they finish), so a busy event loop does
+  not stall decoding between steps.
 
 Options: :class:`TorchRolloutConfig`. Features: :data:`FEATURES`
 (sleep/wake is not offered). Written for decoder-only models whose cache is a
@@ -76,6 +79,7 @@ from asyncflow_core.types import (
     WeightBucket,
     collect_update,
 )
+from asyncflow_core.types.generation import with_version_range
 from asyncflow_core.types.sampling import sampling_logprobs
 from asyncflow_core.types.weights import copy_tensors, dtype_from_name
 
@@ -92,6 +96,9 @@ FEATURES = RolloutFeatures(
     supports_adapter_updates=True,
     weight_transports=("inprocess",),
 )
+
+#: most decoding steps one worker-thread call runs back to back (:meth:`TorchRolloutEngine._steps`)
+_STEPS_PER_CALL = 64
 
 
 class TorchRolloutConfig(BaseModel):
@@ -325,7 +332,8 @@ class TorchRolloutEngine(RolloutEngine):
         self._check_started()
         requests = list(requests)
         ids = [r.request_id for r in requests]
-        dupes = {i for i in ids if ids.count(i) > 1} | (set(ids) & set(self._active))
+        seen: set[str] = set()
+        dupes = {i for i in ids if i in seen or seen.add(i)} | (seen & self._active.keys())
         if dupes:
             raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
         call = _Call()
@@ -377,8 +385,9 @@ class TorchRolloutEngine(RolloutEngine):
 
     def _invalid(self, r: GenerationRequest) -> str | None:
         """Why a request cannot be served (reported as its ERROR result), or None."""
-        bad = [t for t in (*r.prompt_token_ids, *r.prefix_token_ids) if not 0 <= t < self._vocab]
-        if bad:
+        ids = (r.prompt_token_ids, r.prefix_token_ids)
+        if any(part and not (0 <= min(part) and max(part) < self._vocab) for part in ids):
+            bad = [t for part in ids for t in part if not 0 <= t < self._vocab]
             return f"token ids outside the model's vocabulary [0, {self._vocab}): {bad[:5]}"
         context = len(r.prompt_token_ids) + len(r.prefix_token_ids)
         if self._max_positions is not None and context >= self._max_positions:
@@ -409,7 +418,7 @@ class TorchRolloutEngine(RolloutEngine):
             raise ValueError(f"unknown pause mode {mode!r}; use one of {[m.value for m in PauseMode]}") from None
         self._holding = True
         if mode is PauseMode.KEEP:
-            self._paused = True
+            self._paused = True  # the worker stops at its next step boundary (_steps)
             async with self._lock:  # a step in progress finishes; none starts after it
                 pass
             return
@@ -484,6 +493,7 @@ class TorchRolloutEngine(RolloutEngine):
         return {name: tensor for bucket in checked for name, tensor in bucket.tensors()}
 
     async def _install(self, version: int, received: dict[str, torch.Tensor], kv_cache: KVCachePolicy) -> None:
+        self._work.set()  # a worker decoding on (_steps) hands the batch back at its next step boundary
         async with self._lock:
             if self._adapter is None:
                 await asyncio.to_thread(self._copy_weights, received)
@@ -521,15 +531,24 @@ class TorchRolloutEngine(RolloutEngine):
                     decode = self._batch is not None and not self._paused
                     finished: list[tuple[_Seq, FinishReason]] = []
                     if admit or decode:
-                        finished = await asyncio.to_thread(self._step, admit, decode, self._version)
-                for seq, reason in finished:
-                    self._finish(seq, reason)
-                self._notify()
+                        # cleared here, set by whatever wants in (new requests, abort, pause, a weight swap, a
+                        # consumer leaving): the worker then hands the batch back after its current step
+                        self._work.clear()
+                        loop = asyncio.get_running_loop()
+                        finished = await asyncio.to_thread(self._steps, admit, decode, self._version,
+                                                           lambda done: loop.call_soon_threadsafe(self._deliver, done))
+                self._deliver(finished)
                 await asyncio.sleep(0)  # let abort / pause / update_weights / new requests in
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - an engine-wide failure ends every stream with the reason
             self._fail(exc)
+
+    def _deliver(self, finished: list[tuple[_Seq, FinishReason]]) -> None:
+        """Hand finished sequences to their ``generate`` calls (event loop thread)."""
+        for seq, reason in finished:
+            self._finish(seq, reason)
+        self._notify()
 
     def _has_work(self) -> bool:
         if any(s.abort or s.dropped for s in self._waiting):
@@ -594,7 +613,27 @@ class TorchRolloutEngine(RolloutEngine):
         self._batch = None
         self._notify()
 
-    # -- one step (worker thread) ---------------------------------------------
+    # -- decoding steps (worker thread) ----------------------------------------
+
+    def _steps(self, admit: list[_Seq], decode: bool, version: int,
+               deliver: Callable[[list[tuple[_Seq, FinishReason]]], None]) -> list[tuple[_Seq, FinishReason]]:
+        """One step, then more decoding steps of the running batch while the event loop side wants nothing.
+
+        Each return to the event loop costs a thread hand-off and waits for the loop to be free; in a run the
+        loop is busy with the flow's stages, and a batch of short completions is a few steps. So the worker
+        decodes on until a step boundary where something wants in (``_work`` set: new requests, an abort,
+        a pause, a weight swap, a consumer leaving), the batch is empty, or :data:`_STEPS_PER_CALL` steps
+        ran. Sequences finished on the way are delivered at once (``deliver``, thread-safe); the last
+        step's are returned. The lock stays held throughout, so a step boundary is still the safe point.
+        """
+        finished = self._step(admit, decode, version)
+        for _ in range(_STEPS_PER_CALL - 1):
+            if self._batch is None or self._work.is_set() or self._paused:
+                break
+            if finished:
+                deliver(finished)
+            finished = self._step([], True, version)
+        return finished
 
     @torch.no_grad()
     def _step(self, admit: list[_Seq], decode: bool, version: int) -> list[tuple[_Seq, FinishReason]]:
@@ -857,7 +896,8 @@ class _Adapter:
 
 def _result(seq: _Seq, reason: FinishReason, error: str | None = None) -> GenerationResult:
     r = seq.request
-    return GenerationResult(
+    versions = seq.versions
+    return with_version_range(GenerationResult(
         request_id=r.request_id,
         prompt_token_ids=r.prompt_token_ids,
         token_ids=tuple(seq.tokens),
@@ -866,7 +906,7 @@ def _result(seq: _Seq, reason: FinishReason, error: str | None = None) -> Genera
         finish_reason=reason,
         error=error,
         metadata=r.metadata,
-    )
+    ), min(versions, default=None), max(versions, default=None))
 
 
 def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

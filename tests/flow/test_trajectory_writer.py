@@ -120,3 +120,39 @@ def test_episodes_are_written_with_mask_turns_carried_versions_and_per_episode_c
         kind, dtype = C.STANDARD_COLUMN_TYPES[name]
         assert col.dtype == dtype and (kind == "dense") == isinstance(col, torch.Tensor), name
     assert store.acks == ["L"]
+
+
+def _flushed(results):
+    """The columns one flush puts for ``results`` (rows 0..n-1, one lease)."""
+    store = FakeStore()
+    w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
+                         on_written=lambda: None)
+    w.ctx = SimpleNamespace(store=store, version=5, processed=Counter(), counters=Counter())
+    lease = SimpleNamespace(meta="L", remaining=len(results))
+
+    async def main():
+        for i, res in enumerate(results):
+            await w.write(SimpleNamespace(row=i, lease=lease), res)
+        await w.flush()
+
+    asyncio.run(main())
+    (cols, _, vrange), = store.puts
+    return cols, vrange
+
+
+def test_results_of_lists_and_of_tensors_pack_to_the_same_columns():
+    """The list path (one tensor per column for the whole write) and the per-row tensor path agree exactly."""
+    lists = [_res("a", 3), None, _res("b", 1, FinishReason.LENGTH), _res("c", 2, v=(4, 4))]
+    tensors = [None if r is None else GenerationResult(
+        request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, token_ids=torch.tensor(r.token_ids),
+        logprobs=torch.tensor(r.logprobs), versions=torch.tensor(r.versions), finish_reason=r.finish_reason)
+        for r in lists]
+    mixed = [lists[0], None, tensors[2], lists[3]]  # one tensor result sends the whole write down the tensor path
+    (a, va), (b, vb), (c, vc) = _flushed(lists), _flushed(tensors), _flushed(mixed)
+    for cols in (b, c):
+        for name in (C.RESPONSE_IDS, C.BEHAVIOR_LOGPROBS, C.RESPONSE_VERSIONS):
+            assert cols[name].values.dtype == a[name].values.dtype
+            assert torch.equal(cols[name].values, a[name].values) and torch.equal(cols[name].offsets, a[name].offsets)
+        assert torch.equal(cols[C.TRUNCATED], a[C.TRUNCATED])
+    assert va == vb == vc == [[1, 2], [5, 5], [2, 2], [4, 4]]
+    assert a[C.BEHAVIOR_LOGPROBS].values.dtype == torch.float32 and a[C.RESPONSE_IDS].values.dtype == torch.int64
