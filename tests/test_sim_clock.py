@@ -164,3 +164,23 @@ def test_loop_can_be_used_with_asyncio_runner():
 def _slack() -> float:
     """Wall-time bounds are generous: CI machines are shared and slow."""
     return 3.0
+
+
+def test_full_collections_are_rarer_inside_a_virtual_run_and_the_rate_comes_back_after():
+    import gc
+
+    before = gc.get_threshold()
+
+    async def body():
+        return gc.get_threshold()
+
+    inside = run_virtual(body())
+    assert inside[:2] == before[:2] and inside[2] == max(before[2], 100)
+    assert gc.get_threshold() == before
+
+    async def boom():
+        return 1 / 0
+
+    with pytest.raises(ZeroDivisionError):
+        run_virtual(boom())
+    assert gc.get_threshold() == before  # restored when the run raises, too

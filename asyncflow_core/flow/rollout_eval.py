@@ -93,6 +93,8 @@ class EvalDispatch:
 
     async def _eval_weights_moved(self) -> None:
         """Rounds pinned to a version no live replica holds any more fail what they have left."""
+        if self.eval is None:
+            return  # no evaluation: nothing to expire (and no pass over every replica per weight load)
         live = [q.engine.version for q in self.replicas if not q.dead]  # type: ignore[attr-defined]
-        if self.eval is not None and live:
+        if live:
             await self.eval.expire(min(live))

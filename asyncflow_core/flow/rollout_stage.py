@@ -88,8 +88,7 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
         self.produces = tuple(self.episodes.columns)
         self.pool = EnginePool(replicas, max_inflight=max_inflight,
                                may_start=lambda r: self.guard.may_start(r.engine.version))
-        self.follower = WeightFollower(transport, self.pool, deadline_s=deadline_s, kv_cache=kv_cache,
-                                       hold=self._eval_hold)
+        self.follower = WeightFollower(transport, self.pool, deadline_s=deadline_s, kv_cache=kv_cache)
         self.guard: StalenessGuard  # set by bind (it reads the run's version and bound)
         self.transport = transport
         self.sampling = sampling
@@ -163,13 +162,16 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
         await self._eval_weights_moved()
         self._dispatch()
         self._poke()
-        await self.ctx.notify()  # waiters on a replica's version (the weights canary) look again
+        await self.ctx.notify(r.index)  # waiters on a replica's version (the weights canary) look again
 
     # -- dispatch ------------------------------------------------------------------------
 
     async def run(self) -> None:
         ctx = self.ctx
         ctx.listeners.append(self._wake)
+        # an evaluation's hold on a replica's weights can lift with no notify naming that replica (another replica
+        # took the round's last request): only then does every notify look at every replica's weight-follow task
+        self.follower.hold = self._eval_hold if self.eval is not None else None
         for r in self.replicas:
             self._follow(r)
         self._spawn(self._stale_watch())

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import itertools
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,13 @@ from asyncflow_core.interfaces.store import BatchMeta, StreamStore
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 log = logging.getLogger("asyncflow.flow")
+
+#: :meth:`FlowContext.notify`'s default key: anything may have changed, every waiter looks again
+EVERY: Any = object()
+#: the key of a notify after which only the ledger changed (groups re-queued or dropped): no replica's weights
+LEDGER = "ledger"
+#: a task in :meth:`FlowContext.wait_for`: (registration order, predicate, future)
+_Waiter = tuple[int, Callable[[], bool], asyncio.Future]
 
 
 #: Kind and dtype of the standard columns, and those with one value per response token (asyncflow_core/columns.py)
@@ -91,8 +99,12 @@ class FlowContext:
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     stop_reason: str | None = None
     listeners: list[asyncio.Event] = field(default_factory=list)  #: also set on every notify and on halt
-    #: tasks in :meth:`wait_for`: (predicate, future); :meth:`notify` resolves those whose predicate holds
-    waiting: list[tuple[Callable[[], bool], asyncio.Future]] = field(default_factory=list, repr=False)
+    #: tasks in :meth:`wait_for` with no key: (order, predicate, future); every :meth:`notify` looks at them
+    waiting: list[_Waiter] = field(default_factory=list, repr=False)
+    #: tasks in :meth:`wait_for` with a key (one replica's weight-follow task): key -> its waiters
+    waiting_on: dict[Any, list[_Waiter]] = field(default_factory=dict, repr=False)
+    _order: Iterator[int] = field(default_factory=itertools.count, repr=False)
+    _published_checked: int = field(default=0, repr=False)  #: ``published`` at the last notify of every waiter
     outcomes: RowOutcomes = field(init=False, repr=False)  #: rows settled failed, filtered or stale
     events: Events = field(default_factory=Events, repr=False)  #: run events (flow/events.py)
 
@@ -100,35 +112,63 @@ class FlowContext:
         self.outcomes = RowOutcomes(lambda: self.counters)
         self.events.subscribe(VersionPublished, lambda _: self.notify(), name="context")  # always first
 
-    async def notify(self) -> None:
-        """Version, published weights or the ledger changed: wake the listeners and the waiters now satisfied."""
+    async def notify(self, key: Any = EVERY) -> None:
+        """Version, published weights or the ledger changed: wake the listeners and the waiters now satisfied.
+
+        ``key``: only the state of that key changed (one replica's weights): the waiters that passed the same key
+        to :meth:`wait_for` and those that passed none look again, not every replica's weight-follow task (which
+        made a weight load's wake-up cost one check per replica, quadratic in replicas over a run). Once
+        ``published`` moved (which every weight-follow wait reads), the next notify of any key checks everyone.
+        """
         for ev in self.listeners:
             ev.set()
-        self._wake_satisfied()
+        self._wake_satisfied(key)
 
-    async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        """Return once ``predicate()`` holds after a :meth:`notify` (or the run stops)."""
+    async def wait_for(self, predicate: Callable[[], bool], *, key: Any = None) -> None:
+        """Return once ``predicate()`` holds after a :meth:`notify` (or the run stops).
+
+        ``key`` (hashable): ``predicate`` reads nothing that changes without a :meth:`notify` of no key or of
+        this key, so notifies of other keys skip it. None: every notify checks it.
+        """
         while not (predicate() or self.stop.is_set()):
             fut = asyncio.get_running_loop().create_future()
-            self.waiting.append((predicate, fut))
+            waiter = (next(self._order), predicate, fut)
+            (self.waiting if key is None else self.waiting_on.setdefault(key, [])).append(waiter)
             await fut
 
-    def _wake_satisfied(self) -> None:
+    def _wake_satisfied(self, key: Any = EVERY) -> None:
         # predicates are checked here, not in each waiter: a run has a waiter per rollout replica, and waking
-        # all of them on every change costs a task switch each (quadratic in replicas over a run)
+        # all of them on every change costs a task switch each. Those satisfied wake in the order they began
+        # waiting, whichever keys were checked.
+        if key is EVERY or self.published != self._published_checked:
+            keys = list(self.waiting_on)
+            self._published_checked = self.published
+        else:
+            keys = [key] if key in self.waiting_on else []
+        ready: list[_Waiter] = []
+        self.waiting = self._check(self.waiting, ready)
+        for k in keys:
+            still = self._check(self.waiting_on[k], ready)
+            if still:
+                self.waiting_on[k] = still
+            else:
+                del self.waiting_on[k]
+        ready.sort(key=lambda w: w[0])
+        for _, _, fut in ready:
+            fut.set_result(None)
+
+    def _check(self, waiters: list[_Waiter], ready: list[_Waiter]) -> list[_Waiter]:
+        """Move the waiters whose predicate holds (or whose predicate raised) to ``ready``; return the rest."""
         still = []
-        for predicate, fut in self.waiting:
-            if fut.done():
+        for w in waiters:
+            if w[2].done():
                 continue  # its task was cancelled
             try:
-                ready = self.stop.is_set() or predicate()
+                ok = self.stop.is_set() or w[1]()
             except Exception:  # noqa: BLE001 - the waiter evaluates it again and raises in its own task
-                ready = True
-            if ready:
-                fut.set_result(None)
-            else:
-                still.append((predicate, fut))
-        self.waiting = still
+                ok = True
+            (ready if ok else still).append(w)
+        return still
 
     def fail_rows(self, stage: str, row_ids: Sequence[int], error: str) -> None:
         self.outcomes.fail(stage, row_ids, error)

@@ -51,7 +51,8 @@ class PromptFeeder(Stage):
         self.epochs = epochs
         self.shuffle = shuffle
         self.seed = seed
-        self._token_cache: dict[int, tuple[int, ...]] = {}
+        #: record index -> its prompt ids, encoded once (and as a tensor: a group's n rows and its re-queues reuse it)
+        self._token_cache: dict[int, torch.Tensor] = {}
 
     def _order(self) -> AsyncIterator[int] | Any:
         n = len(self.dataset)
@@ -63,14 +64,14 @@ class PromptFeeder(Stage):
             for idx in perm:
                 yield epoch * n + idx, idx
 
-    def _tokens(self, index: int) -> tuple[int, ...]:
+    def _tokens(self, index: int) -> torch.Tensor:
         ids = self._token_cache.get(index)
         if ids is None:
             rec = self.dataset[index]
-            ids = encode_record(self.tokenizer, rec)  # ConfigError naming the record; chats rendered once here
-            if not ids:
+            encoded = encode_record(self.tokenizer, rec)  # ConfigError naming the record; chats rendered once here
+            if not encoded:
                 raise RunStopped(f"dataset record {index} has an empty prompt; remove it or give it text")
-            self._token_cache[index] = ids
+            ids = self._token_cache[index] = torch.tensor(encoded, dtype=torch.int64)
         return ids
 
     async def run(self) -> None:
@@ -117,7 +118,7 @@ class PromptFeeder(Stage):
         seqs: list[torch.Tensor] = []
         gids: list[int] = []
         for g in groups:
-            ids = torch.tensor(self._tokens(g.record.index), dtype=torch.int64)
+            ids = self._tokens(g.record.index)  # read only: torch.cat below copies it
             seqs.extend([ids] * n)
             gids.extend([g.group_id] * n)
         lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)

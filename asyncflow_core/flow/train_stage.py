@@ -15,7 +15,7 @@ from asyncflow_core.flow import staleness as S
 from asyncflow_core.flow.events import VersionPublished
 from asyncflow_core.flow.outcomes import RowOutcome
 from asyncflow_core.flow.rollout_stage import RolloutStage
-from asyncflow_core.flow.stage import Stage
+from asyncflow_core.flow.stage import LEDGER, Stage
 from asyncflow_core.interfaces import Algorithm, TrainEngine, WeightTransport
 from asyncflow_core.interfaces.features import algorithm_features
 from asyncflow_core.interfaces.store import BatchMeta
@@ -80,7 +80,7 @@ class TrainStage(Stage):
                     else:  # every row settled (dropped or re-queued): done with, or the stream's end never shows
                         await ctx.store.ack(meta)
                     if keep.numel() < batch.num_rows:
-                        await ctx.notify()  # re-queued or dropped groups: the feeder may start prompts now
+                        await ctx.notify(LEDGER)  # re-queued or dropped groups: the feeder may start prompts now
                     if keep.numel():
                         parts.append(batch if keep.numel() == batch.num_rows else batch.select(keep))
                         lags.append(v - meta.min_version[keep])

@@ -49,7 +49,8 @@ class WeightFollower:
         self.policy = policy
         self.pinned_version = pinned_version
         #: ``hold(r)`` True keeps replica ``r`` on its version for now (its share of an evaluation pinned to that
-        #: version is not done); the follower loads once it turns False and the context is notified
+        #: version is not done); the follower loads once it turns False and the context is notified (any notify:
+        #: with a hold the follower's wait is checked on every one, without one only on those of no key or ``r``'s)
         self.hold = hold
 
     def wants(self, engine_version: int, published: int) -> bool:
@@ -125,9 +126,10 @@ class WeightFollower:
         if self.policy is WeightPolicy.FROZEN:
             return
         while not ctx.stop.is_set() and not r.dead and r.generation == gen:
+            # keyed by the replica (a notify of another key skips it) unless a hold, which may lift unannounced, applies
             await ctx.wait_for(lambda: (self.wants(r.engine.version, ctx.published)
                                         and not (self.hold is not None and self.hold(r)))
-                               or r.dead or r.generation != gen)
+                               or r.dead or r.generation != gen, key=r.index if self.hold is None else None)
             if ctx.stop.is_set() or r.dead or r.generation != gen:
                 return
             try:

@@ -144,3 +144,48 @@ def test_a_run_subscribes_canary_metrics_then_checkpoint_and_checkpoints_hold_th
     # the metrics of step 4 were written before its checkpoint: the checkpoint counts their tokens
     assert latest_checkpoint(tmp_path)[1].tokens_trained == sum(r["tokens"] for r in records) > 0
     assert any("canary/mean_abs_dlogp" in r for r in records)
+
+
+def test_a_keyed_notify_checks_its_key_and_the_unkeyed_waiters_and_wakes_them_in_waiting_order():
+    """A weight load (``notify(key)``) must not check every replica's wait (quadratic in replicas over a run)."""
+    async def main() -> None:
+        ctx = context()
+        state = {"a": False, "b": False, "any": False}
+        calls: list[str] = []
+        woke: list[str] = []
+
+        def pred(name: str):
+            def check() -> bool:
+                calls.append(name)
+                return state[name]
+            return check
+
+        async def wait(name: str, key: object) -> None:
+            await ctx.wait_for(pred(name), key=key)
+            woke.append(name)
+
+        tasks = [asyncio.ensure_future(wait("b", 2)), asyncio.ensure_future(wait("any", None)),
+                 asyncio.ensure_future(wait("a", 1))]
+        await asyncio.sleep(0)
+        calls.clear()
+        state["a"] = True  # a change under key 1
+        await ctx.notify(2)
+        assert sorted(calls) == ["any", "b"] and ctx.waiting_on.keys() == {1, 2}  # key 1 not looked at
+        calls.clear()
+        await ctx.notify(1)
+        assert sorted(calls) == ["a", "any"] and ctx.waiting_on.keys() == {2}
+        await asyncio.sleep(0)
+        assert woke == ["a"]
+        calls.clear()
+        ctx.published = 1  # not announced yet: the next notify of any key checks every waiter
+        await ctx.notify(3)
+        assert sorted(calls) == ["any", "b"]
+        calls.clear()
+        await ctx.notify(3)
+        assert calls == ["any"]
+        state["b"] = state["any"] = True
+        await ctx.notify()  # no key: every waiter, woken in the order they began waiting
+        await asyncio.gather(*tasks)
+        assert woke == ["a", "b", "any"] and ctx.waiting == [] and ctx.waiting_on == {}
+
+    asyncio.run(main())

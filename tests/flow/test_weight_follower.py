@@ -214,3 +214,38 @@ def test_a_held_replica_stays_on_its_version_until_released():
 
     asyncio.run(main())
     assert loaded == [2] and r.engine.version == 2  # the newest staged version, in one load
+
+
+def test_a_replicas_wait_is_keyed_unless_a_hold_can_lift_unannounced():
+    """Without a hold, only notifies of no key or the replica's own index check its follower; with a hold, every one."""
+    held = {"on": True}
+
+    async def main(hold) -> list:
+        box: list = []
+        pool = EnginePool([FakeEngine(box), FakeEngine(box)], max_inflight=4)
+        box.append(pool)
+        transport = FakeTransport()
+        f = WeightFollower(transport, pool, deadline_s=1.0, hold=hold)
+        ctx = _ctx()
+        loaded: list[int] = []
+
+        async def on_updated(rep):
+            loaded.append(rep.index)
+
+        tasks = [asyncio.ensure_future(f.follow(r, r.generation, ctx, on_failed=None, on_updated=on_updated))
+                 for r in pool.replicas]
+        await _publish(ctx, transport, 1)
+        keyed = {k: len(v) for k, v in ctx.waiting_on.items()}
+        held["on"] = False  # lifts with no notify naming either replica
+        await ctx.notify("another key")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return [keyed, sorted(loaded)]
+
+    keyed, loaded = asyncio.run(main(None))
+    assert keyed == {0: 1, 1: 1} and loaded == [0, 1]  # loaded at the publish; waiting again, keyed by replica
+    keyed, loaded = asyncio.run(main(lambda rep: held["on"]))
+    assert keyed == {} and loaded == [0, 1]  # unkeyed: the other key's notify found both holds lifted
