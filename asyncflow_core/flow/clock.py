@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import heapq
 import selectors
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
+
+from asyncflow_core.flow.heap import fewer_full_collections
 
 T = TypeVar("T")
 
@@ -243,18 +244,6 @@ def run_virtual(
     def factory() -> VirtualClockLoop:
         return VirtualClockLoop(start=start, deadlock_grace_s=deadlock_grace_s, stall_timeout_s=stall_timeout_s)
 
-    # a simulated run is one CPU-bound loop over a large heap whose rows and results churn: the collector's full
-    # passes (each walking the whole heap) cost ~8 % of a 1,024-device run at the default rate; run them 1/10 as
-    # often while the loop runs (the young generations, which free most cyclic garbage, as before)
-    thresholds = gc.get_threshold()
-    gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], _FULL_GC_EVERY))
-    try:
-        with asyncio.Runner(debug=debug, loop_factory=factory) as runner:
-            return runner.run(coro)
-    finally:
-        gc.set_threshold(*thresholds)
-
-
-#: during :func:`run_virtual`: a full collection after this many collections of the middle generation (default 10)
-_FULL_GC_EVERY = 100
+    with fewer_full_collections(), asyncio.Runner(debug=debug, loop_factory=factory) as runner:
+        return runner.run(coro)
 
