@@ -12,6 +12,11 @@ preallocated buffer; the table also shows a copy into fresh memory,
 ``clone``). Ray's object store peer is ``ray.get(ray.put(tensors))``.
 Medians over ``--repeats``. Deployments not implemented in this tree are
 listed as such, never estimated.
+
+``--fixed-cost N`` adds the in-process store's per-call fixed cost: the same
+loop over the same number of rows as the 1 MB batch, each row one token
+long, ``N`` times; the calling thread's CPU time (``time.thread_time``) per
+call, which in-process is all of the store's work.
 """
 
 from __future__ import annotations
@@ -231,6 +236,40 @@ def ray_object_store(sizes: list[int], repeats: int) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ report
 
 
+async def fixed_cost(loops: int) -> dict[str, Any]:
+    """Thread CPU µs per put / get_meta / get / ack of the 1 MB batch's rows, one token each (no copy to speak of)."""
+    from asyncflow_core.types import RaggedTensor
+
+    full = make_batch(1)
+    rows = len(full["response_ids"])
+    one = torch.ones(rows, dtype=torch.int64)
+    batch = {name: RaggedTensor.from_lengths(col.values[:rows].clone(), one) for name, col in full.items()}
+    store = await open_store("inprocess", capacity=1 << 20, arena_mb=64)
+    spent = dict.fromkeys(("put", "get_meta", "get", "ack"), 0.0)
+    try:
+        await store.register_task("rollout", produces=list(batch))
+        await store.register_task("train", consumes=list(batch))
+        for i in range(loops + 50):  # 50 warm-up loops, not counted
+            t0 = time.thread_time()
+            await store.put(batch)
+            t1 = time.thread_time()
+            meta = await store.get_meta("train", list(batch), rows, timeout=60)
+            t2 = time.thread_time()
+            got = await store.get(meta)
+            t3 = time.thread_time()
+            await store.ack(meta)
+            t4 = time.thread_time()
+            del got
+            if i >= 50:
+                for name, a, b in (("put", t0, t1), ("get_meta", t1, t2), ("get", t2, t3), ("ack", t3, t4)):
+                    spent[name] += b - a
+    finally:
+        await store.close()
+    per_call = {name: v / loops * 1e6 for name, v in spent.items()}
+    return {"deployment": "inprocess", "rows": rows, "loops": loops, "us_per_call": per_call,
+            "us_per_loop": sum(per_call.values())}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--deployments", default=",".join(ALL_DEPLOYMENTS), help="comma-separated deployments to measure")
@@ -240,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-ray-peer", action="store_true", help="skip Ray's object store peer")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of a table")
+    p.add_argument("--fixed-cost", type=int, default=0, metavar="LOOPS",
+                   help="also measure the in-process store's per-call fixed cost over LOOPS loops of 1-token rows")
     a = p.parse_args(argv)
     deployments = [d for d in a.deployments.split(",") if d]
     sizes = [int(s) for s in a.sizes.split(",") if s]
@@ -268,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "ray_gbps": ray_big[0] if ray_big else None,
         "ray_object_store": ray_peer,
         "not_measured": skipped,
+        "fixed_cost": asyncio.run(fixed_cost(a.fixed_cost)) if a.fixed_cost > 0 else None,
         "batch": {"tokens_per_row": TOKENS_PER_ROW, "bytes_per_token": BYTES_PER_TOKEN},
         "host": {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()},
     }
@@ -306,6 +348,10 @@ def _print_table(r: dict[str, Any]) -> None:
         for row in rows + lat:
             print(" | ".join(row))
     print(f'memcpy (preallocated) {r["memcpy_gbps"]:.2f} GB/s; copy into fresh memory {r["memcpy_fresh_gbps"]:.2f} GB/s')
+    if r["fixed_cost"] is not None:
+        f = r["fixed_cost"]
+        calls = ", ".join(f"{name} {us:.0f}" for name, us in f["us_per_call"].items())
+        print(f'in-process fixed cost ({f["rows"]} rows of 1 token): {calls} µs thread CPU; {f["us_per_loop"]:.0f} per loop')
     for dep, why in r["not_measured"].items():
         print(f"not measured: {dep}: {why}")
 

@@ -21,6 +21,8 @@ Public methods (stable):
   consumer, dp_rank, dp_size, now) -> BatchMeta | None``
 - ``is_end_of_stream(task, columns, min_version=None, partition=None) -> bool``
 - ``ack(lease_id, now=None) -> int`` / ``release(lease_id, now=None) -> int``
+- ``ack_and_collect(lease_id, now=None) -> tuple[int, Tensor]``  (``ack``, then ``gc`` of its rows: rows
+  acknowledged, dropped ids)
 - ``renew(lease_id, lease_s=None, now=None) -> bool``  (a live lease's deadline becomes ``now + lease_s``; False: gone)
 - ``expire(now) -> tuple[list[int], float | None]``  (expired lease ids, next deadline)
 - ``next_deadline() -> float | None``
@@ -32,7 +34,7 @@ Public methods (stable):
 - ``gc(row_ids=None) -> Tensor``  (dropped row ids, for storage to free)
 - ``clear(partition=None) -> Tensor``  (dropped row ids)
 - ``state_dict() -> dict`` / ``load_state_dict(state)``  (outstanding leases come back free)
-- ``lease_info(lease_id) -> dict | None``; module function ``normalize_versions(versions, n)``
+- ``lease_info(lease_id) -> dict | None`` / ``lease_task(lease_id) -> str | None``; module function ``normalize_versions(versions, n)``
 - ``stats() -> dict[str, int]``
 - properties ``capacity``, ``num_live``, ``tasks``
 
@@ -68,7 +70,6 @@ import torch
 
 from asyncflow_core.interfaces.sampler import Candidates, Sampler, SampleRequest
 from asyncflow_core.interfaces.store import BatchMeta
-from asyncflow_core.store.indexing import assign, take, where
 from asyncflow_core.store.errors import (
     InvalidRequestError,
     LeaseError,
@@ -105,6 +106,10 @@ class _Lease:
     consumer: str | None
     lease_s: float
     reserved: bool = False  # a DP part formed for a rank that has not claimed it yet
+    #: the rows' slots when granted, valid while the controller's slot generation is ``slots_gen`` (an ack
+    #: with no put, drop or compaction since the grant finds its rows without a search)
+    slots: np.ndarray | None = None
+    slots_gen: int = -1
 
 
 @dataclass
@@ -115,6 +120,8 @@ class _DPRound:
 
 
 def _as_ids(row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    if isinstance(row_ids, torch.Tensor) and row_ids.dtype == torch.int64 and row_ids.dim() == 1 and row_ids.is_cpu:
+        return row_ids  # what as_tensor and reshape would return (the same memory), without their dispatch
     return torch.as_tensor(row_ids, dtype=torch.int64, device="cpu").reshape(-1)
 
 
@@ -138,11 +145,12 @@ def normalize_versions(versions: torch.Tensor | Sequence | None, n: int) -> torc
     return v
 
 
-def has_repeats(ids: torch.Tensor) -> bool:
-    """Whether a 1-D int tensor holds a value twice (strictly increasing ids, the usual case, skip the sort)."""
-    if ids.numel() < 2:
+def has_repeats(ids: torch.Tensor | np.ndarray) -> bool:
+    """Whether a 1-D int tensor (or numpy array) holds a value twice (strictly increasing ids, the usual case,
+    skip the sort)."""
+    a = ids if isinstance(ids, np.ndarray) else ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
+    if a.size < 2:
         return False
-    a = ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
     if bool((a[1:] > a[:-1]).all()):
         return False
     return np.unique(a).size != a.size
@@ -207,15 +215,17 @@ class Controller:
         #: Built on a task's first lease of those columns and kept up to date by every change of state,
         #: liveness or readiness, so a lease attempt costs one pass over a bool column instead of a pass
         #: per condition (a run retries leases thousands of times while few rows change in between).
-        self._eligible_cache: dict[tuple[int, tuple[tuple[int, int], ...]], torch.Tensor] = {}
-        #: the last ids whose slots were all found, and those slots: a put or an ack resolves the same ids
+        self._eligible_cache: dict[tuple[int, tuple[tuple[int, int], ...]], np.ndarray] = {}
+        #: the last ids whose slots were all found, and those slots (numpy): a put or an ack resolves the same ids
         #: two or three times in a row (check, mark ready, wake; ack, gc). Any change of which rows live
         #: where (add, drop, compaction, reset) bumps the generation and so drops it.
-        self._slots_memo: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._slots_memo: tuple[int, np.ndarray, np.ndarray] | None = None
         self._slots_gen = getattr(self, "_slots_gen", 0) + 1
         self._tasks: dict[str, _Task] = {}
         self._produced_cache: frozenset[str] | None = None  #: every registered task's produces; None: stale
+        self._consumers_cache: list[_Task] | None = None  #: the tasks that consume a column; None: stale
         self._columns: dict[str, int] = {}
+        self._needs_cache: dict[tuple[str, ...], tuple[tuple[int, int], ...]] = {}  #: see _need_masks
         self._partitions: dict[str, int] = {}
         self._ended: set[str] = set()
         self._ended_all = False
@@ -233,6 +243,25 @@ class Controller:
         self._dead = 0
         self._counters = {"rows_put": 0, "rows_done": 0, "rows_dropped": 0, "leases_expired": 0, "leases_granted": 0,
                           "leases_renewed": 0}
+        self._views()
+
+    def _views(self) -> None:
+        """Numpy views of the row tables (``Tensor.numpy()`` shares their memory), taken once per allocation.
+
+        Every hot path reads and writes the tables through these: a ``.numpy()`` per access cost about 1 µs,
+        and a put/lease/read/ack loop made 150 of them. Call after any table is replaced (reset, growth, a
+        new ready word or task); in-place writes through either side are seen by the other.
+        """
+        self._row_id_np = self._row_id.numpy()
+        self._alive_np = self._alive.numpy()
+        self._partition_np = self._partition.numpy()
+        self._group_np = self._group.numpy()
+        self._tokens_np = self._tokens.numpy()
+        self._minv_np = self._minv.numpy()
+        self._maxv_np = self._maxv.numpy()
+        self._ready_np = self._ready.numpy()
+        self._state_np = [s.numpy() for s in self._state]
+        self._lease_of_np = [s.numpy() for s in self._lease_of]
 
     @property
     def capacity(self) -> int:
@@ -268,6 +297,7 @@ class Controller:
         self._state = [_grow(s, new) for s in self._state]
         self._lease_of = [_grow(s, new) for s in self._lease_of]
         self._eligible_cache.clear()
+        self._views()
 
     def _column_bit(self, name: str) -> int:
         bit = self._columns.get(name)
@@ -278,16 +308,24 @@ class Controller:
             if words > self._ready.shape[1]:
                 extra = torch.zeros((self._ready.shape[0], words - self._ready.shape[1]), dtype=torch.int64)
                 self._ready = torch.cat([self._ready, extra], dim=1)
+                self._ready_np = self._ready.numpy()
         return bit
 
-    def _need_masks(self, columns: Sequence[str]) -> list[tuple[int, int]]:
-        """(word, mask) pairs a row's ready bits must cover; columns never written get a bit now (never ready)."""
-        masks: dict[int, int] = {}
-        for c in columns:
-            bit = self._column_bit(c)
-            w, b = divmod(bit, _BITS_PER_WORD)
-            masks[w] = masks.get(w, 0) | (1 << b)
-        return sorted(masks.items())
+    def _need_masks(self, columns: Sequence[str]) -> tuple[tuple[int, int], ...]:
+        """(word, mask) pairs a row's ready bits must cover; columns never written get a bit now (never ready).
+
+        Kept per column tuple (a column's bit never changes until a reset): every put, lease and wake-up check
+        asks for the same few sets."""
+        key = columns if isinstance(columns, tuple) else tuple(columns)
+        out = self._needs_cache.get(key)
+        if out is None:
+            masks: dict[int, int] = {}
+            for c in key:
+                bit = self._column_bit(c)
+                w, b = divmod(bit, _BITS_PER_WORD)
+                masks[w] = masks.get(w, 0) | (1 << b)
+            out = self._needs_cache[key] = tuple(sorted(masks.items()))
+        return out
 
     def _partition_id(self, name: str) -> int:
         pid = self._partitions.get(name)
@@ -318,7 +356,7 @@ class Controller:
             if not isinstance(c, str) or not c:
                 raise InvalidRequestError(f"column names must be non-empty strings, got {c!r} for task {task!r}")
         existing = self._tasks.get(task)
-        self._produced_cache = None
+        self._produced_cache = self._consumers_cache = None
         if existing is not None:
             if partition is not None and existing.partition != partition:
                 scope = "every partition" if existing.partition is None else f"partition {existing.partition!r}"
@@ -334,6 +372,7 @@ class Controller:
                 self._partition_id(partition)
             self._state.append(torch.zeros(self._alloc(), dtype=torch.int8))
             self._lease_of.append(torch.zeros(self._alloc(), dtype=torch.int64))
+            self._views()
         for c in (*consumes, *produces):
             self._column_bit(c)
 
@@ -405,69 +444,77 @@ class Controller:
         pid = self._partition_id(partition)
         self._ensure_slots(self._n + n)
         s = slice(self._n, self._n + n)
-        ids = torch.arange(self._next_row_id, self._next_row_id + n, dtype=torch.int64)
-        self._row_id[s] = ids
-        self._alive[s] = True
-        self._partition[s] = pid
-        self._group[s] = groups if groups is not None else -1
-        self._tokens[s] = 0
-        self._minv[s] = -1
-        self._maxv[s] = -1
-        self._ready[s] = 0
-        for st, lo in zip(self._state, self._lease_of, strict=True):
+        ids_np = np.arange(self._next_row_id, self._next_row_id + n, dtype=np.int64)
+        self._row_id_np[s] = ids_np
+        self._alive_np[s] = True
+        self._partition_np[s] = pid
+        self._group_np[s] = groups.numpy() if groups is not None else -1
+        self._tokens_np[s] = 0
+        self._minv_np[s] = -1
+        self._maxv_np[s] = -1
+        self._ready_np[s] = 0
+        for st, lo in zip(self._state_np, self._lease_of_np, strict=True):
             st[s] = FREE
             lo[s] = 0
         for (_, needs), elig in self._eligible_cache.items():
             elig[s] = not needs  # free and alive; ready only when no column is needed
+        ids = torch.from_numpy(ids_np)
         if groups is not None:
             self._note_group_spans(ids, groups)
         self._n += n
         self._next_row_id += n
         self._slots_gen += 1
+        # the next calls (mark ready, the wake-up check, a lease of exactly these rows) resolve these ids
+        self._slots_memo = (self._slots_gen, ids_np.copy(), np.arange(s.start, s.stop, dtype=np.int64))
         self._live += n
         self._counters["rows_put"] += n
         return ids
 
     def _note_group_spans(self, ids: torch.Tensor, groups: torch.Tensor) -> None:
-        valid = groups >= 0
-        if not bool(valid.any()):
+        g, r = groups.numpy(), ids.numpy()
+        valid = g >= 0
+        if not valid.any():
             return
-        g, r = groups[valid], ids[valid]
-        uniq, inv = torch.unique(g, return_inverse=True)
-        lo = torch.full((uniq.numel(),), torch.iinfo(torch.int64).max, dtype=torch.int64)
-        lo = lo.scatter_reduce(0, inv, r, reduce="amin")
-        hi = torch.full((uniq.numel(),), -1, dtype=torch.int64).scatter_reduce(0, inv, r, reduce="amax")
+        g, r = g[valid], r[valid]
+        uniq, inv = np.unique(g, return_inverse=True)
+        inv = inv.reshape(-1)
+        lo = np.full(uniq.size, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(lo, inv, r)
+        hi = np.full(uniq.size, -1, dtype=np.int64)
+        np.maximum.at(hi, inv, r)
         spans = self._group_span
         for gid, a, b in zip(uniq.tolist(), lo.tolist(), hi.tolist(), strict=True):
             old = spans.get(gid)
             spans[gid] = (a, b) if old is None else (min(old[0], a), max(old[1], b))
 
-    def _slots(self, row_ids: torch.Tensor, *, missing: str = "raise") -> torch.Tensor:
-        """Slots of live ``row_ids``; ``missing="drop"`` silently skips dead or unknown ids."""
-        ids = _as_ids(row_ids)
-        if ids.numel() == 0:
-            return ids
+    def _slots(self, row_ids: torch.Tensor | np.ndarray, *, missing: str = "raise") -> np.ndarray:
+        """Slots (an int64 numpy array, read-only for callers) of live ``row_ids``; ``missing="drop"`` silently
+        skips dead or unknown ids.
+
+        Slots stay numpy inside the controller: every table has a numpy view (:meth:`_views`), so no call
+        converts between torch and numpy on the way.
+        """
+        a = row_ids if isinstance(row_ids, np.ndarray) else _as_ids(row_ids).numpy()
+        if a.size == 0:
+            return a.astype(np.int64, copy=False)
         memo = self._slots_memo
-        if (memo is not None and memo[0] == self._slots_gen and memo[1].numel() == ids.numel()
-                and torch.equal(memo[1], ids)):
+        if memo is not None and memo[0] == self._slots_gen and memo[1].size == a.size and (memo[1] == a).all():
             return memo[2]
         # numpy: a handful of small-array ops on the calling thread, where each torch call would cost a dispatch
         # and a release of the GIL that the rollout engine's thread takes (docs/performance.md)
-        a = ids.numpy()
         if self._n == 0:
             ok = np.zeros(a.size, dtype=bool)
-            pos = ids
+            pos = a
         else:
-            known = self._row_id.numpy()[: self._n]
-            p = np.searchsorted(known, a)
-            np.minimum(p, self._n - 1, out=p)
-            ok = (known[p] == a) & self._alive.numpy()[p]
-            pos = torch.from_numpy(p)
-        if bool(ok.all()):
-            self._slots_memo = (self._slots_gen, ids.clone(), pos)
+            known = self._row_id_np[: self._n]
+            pos = np.searchsorted(known, a)
+            np.minimum(pos, self._n - 1, out=pos)
+            ok = (known[pos] == a) & self._alive_np[pos]
+        if ok.all():
+            self._slots_memo = (self._slots_gen, a.copy(), pos)
             return pos
         if missing == "drop":
-            return torch.from_numpy(pos.numpy()[ok])
+            return pos[ok]
         bad = a[~ok][:8].tolist()
         raise UnknownRowError(
             f"unknown row ids {bad}{' ...' if int((~ok).sum()) > 8 else ''}: they were never put, or were already "
@@ -485,7 +532,7 @@ class Controller:
         """Bool per id of ``row_ids``: does it name a live row (put, not collected or cleared)?"""
         ids = _as_ids(row_ids)
         slots = self._slots(ids, missing="drop")
-        return torch.isin(ids, take(self._row_id, slots))
+        return torch.from_numpy(np.isin(ids.numpy(), self._row_id_np[slots]))
 
     def mark_ready(
         self,
@@ -497,7 +544,7 @@ class Controller:
         """Set ``columns`` ready for ``row_ids``; widen their version range by ``versions`` ([n, 2] or [n]:
         min and max policy version); set their token counts to ``num_tokens``."""
         ids = _as_ids(row_ids)
-        slots = self._slots(ids)
+        s = self._slots(ids)
         n = ids.numel()
         v = normalize_versions(versions, n)
         tok = None
@@ -506,19 +553,18 @@ class Controller:
             if tok.numel() != n:
                 raise InvalidRequestError(f"num_tokens has {tok.numel()} entries for {n} rows")
         written = self._need_masks(columns)
-        s = slots.numpy()  # the table updates in numpy, in place (see _slots)
-        ready = self._ready.numpy()
+        ready = self._ready_np  # the table updates in numpy, in place (see _slots)
         for w, mask in written:
             ready[s, w] |= mask  # slots never repeat (check_rows)
         # readiness of other columns is unchanged, so a kept mask that needs none of these stays as it is
-        self._refresh_eligible(slots, touching=dict(written))
+        self._refresh_eligible(s, touching=dict(written))
         if v is not None:
-            a, minv, maxv = v.numpy(), self._minv.numpy(), self._maxv.numpy()
+            a, minv, maxv = v.numpy(), self._minv_np, self._maxv_np
             cur = minv[s]
             minv[s] = np.where(cur < 0, a[:, 0], np.minimum(cur, a[:, 0]))
             maxv[s] = np.maximum(maxv[s], a[:, 1])
         if tok is not None:
-            assign(self._tokens, slots, tok)
+            self._tokens_np[s] = tok.numpy()
 
     def any_ready(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str]) -> bool:
         """Whether some live row of ``row_ids`` has every one of ``columns`` ready (cheap: the rows only).
@@ -526,12 +572,12 @@ class Controller:
         Deployments use it after a write to wake only the blocked leases the
         write can satisfy, instead of rescanning every row for every waiter.
         """
-        slots = self._slots(row_ids, missing="drop")
-        if slots.numel() == 0:
+        s = self._slots(row_ids, missing="drop")
+        if s.size == 0:
             return False
-        ok = torch.ones(slots.numel(), dtype=torch.bool)
+        ok = np.ones(s.size, dtype=bool)
         for w, need in self._need_masks(columns):
-            ok &= (take(self._ready[:, w], slots) & need) == need
+            ok &= (self._ready_np[s, w] & need) == need
         return bool(ok.any())
 
     def whole_group_size(self, sampler: str | Sampler | None = None) -> int:
@@ -556,13 +602,12 @@ class Controller:
         t = self._tasks.get(task)
         if t is None or group_size <= 0 or self._ended_all or self._ended:
             return self.any_ready(row_ids, columns)
-        slots = self._slots(row_ids, missing="drop")
-        if slots.numel() == 0:
+        s = self._slots(row_ids, missing="drop")
+        if s.size == 0:
             return False
         # numpy throughout (called after every put a group lease waits on; see _slots)
-        elig = self._eligible_mask(t.index, tuple(self._need_masks(columns))).numpy()
-        group = self._group.numpy()
-        s = slots.numpy()
+        elig = self._eligible_mask(t.index, self._need_masks(columns))
+        group = self._group_np
         fresh = s[elig[s]]
         if fresh.size == 0:
             return False
@@ -573,7 +618,7 @@ class Controller:
         spans = [self._group_span.get(g) for g in groups.tolist()]
         if any(span is None for span in spans):
             return True
-        known = self._row_id.numpy()[: self._n]
+        known = self._row_id_np[: self._n]
         first = np.searchsorted(known, np.array([a for a, _ in spans], dtype=np.int64))
         lens = np.searchsorted(known, np.array([b for _, b in spans], dtype=np.int64), side="right") - first
         total = int(lens.sum())
@@ -638,18 +683,35 @@ class Controller:
         (it goes chunk by chunk from the oldest row), so a store holding 10^6
         ready rows costs one chunk, not a full pass. Returns (slots, truncated).
         """
+        slots, truncated = self._eligible_slots(t, columns, min_version, partition, limit)
+        return torch.from_numpy(slots), truncated
+
+    def _eligible_slots(
+        self, t: _Task, columns: Sequence[str], min_version: int | None, partition: str | None, limit: int = 0
+    ) -> tuple[np.ndarray, bool]:
+        """:meth:`_eligible` as an int64 numpy array."""
         n = self._n
-        empty = torch.empty(0, dtype=torch.int64)
+        empty = np.empty(0, dtype=np.int64)
         if partition is not None and partition not in self._partitions:
             return empty, False
-        needs = tuple(self._need_masks(columns))
+        needs = self._need_masks(columns)
         pid = self._partitions[partition] if partition is not None else None
         # numpy, not torch: a torch op over more than 32,768 elements splits over the intra-op threads, and on a
         # host whose cores are busy that split waits (17 ms for one 65,536-row nonzero against 0.04 ms; see
         # store/indexing.py). numpy runs these scans on the calling thread.
-        elig = self._eligible_mask(t.index, needs).numpy()
-        minv, part = self._minv.numpy(), self._partition.numpy()
+        elig = self._eligible_mask(t.index, needs)
+        minv, part = self._minv_np, self._partition_np
         chunk = n if limit <= 0 else max(_SCAN_CHUNK, limit)
+        if n <= chunk:  # the whole table in one pass (the usual case): no chunk bookkeeping
+            mask = elig[:n]  # the cache itself: the filters below must not write into it
+            if min_version is not None:
+                mask = mask & (minv[:n] >= min_version)
+            if pid is not None:
+                mask = mask & (part[:n] == pid)
+            slots = np.flatnonzero(mask).astype(np.int64, copy=False)
+            if limit > 0 and slots.size > limit:
+                return slots[:limit], True
+            return slots, False
         found: list[np.ndarray] = []
         total = 0
         for lo in range(0, n, max(chunk, 1)):
@@ -666,59 +728,52 @@ class Controller:
             total += idx.size
             if limit > 0 and total >= limit:
                 slots = np.concatenate(found) if len(found) > 1 else found[0]
-                return torch.from_numpy(slots[:limit].astype(np.int64, copy=False)), total > limit or hi < n
+                return slots[:limit].astype(np.int64, copy=False), total > limit or hi < n
         if not found:
             return empty, False
         slots = np.concatenate(found) if len(found) > 1 else found[0]
-        return torch.from_numpy(slots.astype(np.int64, copy=False)), False
+        return slots.astype(np.int64, copy=False), False
 
-    def _eligible_now(self, task_index: int, needs: Sequence[tuple[int, int]], slots: torch.Tensor | slice
-                      ) -> torch.Tensor:
-        """Bool per slot of ``slots``: free for the task, alive, and ready for every (word, mask) of ``needs``."""
-        if isinstance(slots, slice):
-            ok = (self._state[task_index][slots] == FREE) & self._alive[slots]
-            for w, need in needs:
-                ok &= (self._ready[slots, w] & need) == need
-            return ok
-        s = slots.numpy()
-        ok = (self._state[task_index].numpy()[s] == FREE) & self._alive.numpy()[s]
-        ready = self._ready.numpy()
+    def _eligible_now(self, task_index: int, needs: Sequence[tuple[int, int]], s: np.ndarray | slice
+                      ) -> np.ndarray:
+        """Bool per slot of ``s``: free for the task, alive, and ready for every (word, mask) of ``needs``."""
+        ok = (self._state_np[task_index][s] == FREE) & self._alive_np[s]
+        ready = self._ready_np
         for w, need in needs:
             ok &= (ready[s, w] & need) == need
-        return torch.from_numpy(ok)
+        return ok
 
-    def _eligible_mask(self, task_index: int, needs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    def _eligible_mask(self, task_index: int, needs: tuple[tuple[int, int], ...]) -> np.ndarray:
         """The kept-up-to-date eligibility of every slot (see ``_eligible_cache``); built on first use."""
         key = (task_index, needs)
         elig = self._eligible_cache.get(key)
         if elig is None:
-            elig = torch.zeros(self._alloc(), dtype=torch.bool)
+            elig = np.zeros(self._alloc(), dtype=bool)
             elig[: self._n] = self._eligible_now(task_index, needs, slice(0, self._n))
             self._eligible_cache[key] = elig
         return elig
 
-    def _refresh_eligible(self, slots: torch.Tensor, task_index: int | None = None,
+    def _refresh_eligible(self, s: np.ndarray, task_index: int | None = None,
                           touching: dict[int, int] | None = None) -> None:
-        """Recompute the cached eligibility of ``slots`` (for one task's entries, or all) after a change;
+        """Recompute the cached eligibility of slots ``s`` (for one task's entries, or all) after a change;
         ``touching`` (word -> bits): only the entries that need one of these ready bits."""
-        if slots.numel() == 0:
+        if s.size == 0:
             return
         for (ti, needs), elig in self._eligible_cache.items():
             if task_index is not None and ti != task_index:
                 continue
             if touching is not None and not any(touching.get(w, 0) & need for w, need in needs):
                 continue
-            assign(elig, slots, self._eligible_now(ti, needs, slots))
+            elig[s] = self._eligible_now(ti, needs, s)
 
-    def _candidates(self, slots: torch.Tensor) -> Candidates:
-        if slots.numel() == 0:  # most attempts of a waiting stage: nothing to gather
+    def _candidates(self, s: np.ndarray) -> Candidates:
+        if s.size == 0:  # most attempts of a waiting stage: nothing to gather
             empty = torch.empty(0, dtype=torch.int64)
             return Candidates(row_ids=empty, group_ids=empty, num_tokens=empty, min_version=empty,
                               group_ready=empty, group_size=self._group_size)
-        # index_select, not advanced indexing: several times faster on 10^6-row gathers; the counting in numpy
-        # (single-threaded; see _eligible)
-        groups = self._group.index_select(0, slots)
-        g = groups.numpy()
+        # gathers and counting in numpy on the tables' views: single-threaded (see _eligible), no torch call
+        g = self._group_np[s]
+        groups = torch.from_numpy(g)
         n = g.size
         gmax = int(g.max()) if n else -1
         if gmax < 0:
@@ -732,10 +787,10 @@ class Controller:
             _, inverse, counts = np.unique(g, return_inverse=True, return_counts=True)
             group_ready = torch.from_numpy(np.where(g >= 0, counts[inverse.reshape(-1)], 0).astype(np.int64, copy=False))
         return Candidates(
-            row_ids=self._row_id.index_select(0, slots),
+            row_ids=torch.from_numpy(self._row_id_np[s]),
             group_ids=groups,
-            num_tokens=self._tokens.index_select(0, slots),
-            min_version=self._minv.index_select(0, slots),
+            num_tokens=torch.from_numpy(self._tokens_np[s]),
+            min_version=torch.from_numpy(self._minv_np[s]),
             group_ready=group_ready,
             group_size=self._group_size,
         )
@@ -813,7 +868,7 @@ class Controller:
             if claimed is not None:
                 return claimed
         limit = max(self._max_candidates, 4 * batch_size) if self._max_candidates > 0 else 0
-        slots, truncated = self._eligible(t, columns, min_version, partition, limit)
+        slots, truncated = self._eligible_slots(t, columns, min_version, partition, limit)
         cands = self._candidates(slots)
         ended = self.stream_ended(partition)
         parts = self._sample(smp, cands, batch_size, partial, dp_size)
@@ -829,7 +884,7 @@ class Controller:
         if not any(p.numel() for p in parts):
             return None
         if dp_size == 1:
-            return self._grant(task, columns, take(slots, parts[0]), consumer, lease_s, now, cands, parts[0],
+            return self._grant(task, columns, slots[parts[0].numpy()], consumer, lease_s, now, cands, parts[0],
                                dp_rank=0)
         rnd = _DPRound()
         mine: BatchMeta | None = None
@@ -838,7 +893,7 @@ class Controller:
                 rnd.parts.append(None)
                 continue
             meta = self._grant(
-                task, columns, take(slots, pos), consumer if r == dp_rank else None, lease_s, now, cands, pos,
+                task, columns, slots[pos.numpy()], consumer if r == dp_rank else None, lease_s, now, cands, pos,
                 dp_rank=r, reserved=r != dp_rank,
             )
             if r == dp_rank:
@@ -855,17 +910,16 @@ class Controller:
     ) -> list[torch.Tensor]:
         if len(cands) == 0 and not partial:
             return [torch.empty(0, dtype=torch.int64)] * dp_size
-        parts = []
-        for r in range(dp_size):
-            pos = torch.as_tensor(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size)), dtype=torch.int64,
-                                  device="cpu")
-            parts.append(pos.reshape(-1))
+        parts = [_as_ids(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size))) for r in range(dp_size)]
         allpos = torch.cat(parts) if dp_size > 1 else parts[0]
-        if allpos.numel():
-            a = allpos.numpy()
-            if int(a.min()) < 0 or int(a.max()) >= len(cands):
+        a = allpos.numpy()
+        if a.size:
+            # a sampler's pick is usually increasing (oldest first): then no sort and no min/max pass
+            increasing = a.size < 2 or bool((a[1:] > a[:-1]).all())
+            lo, hi = (int(a[0]), int(a[-1])) if increasing else (int(a.min()), int(a.max()))
+            if lo < 0 or hi >= len(cands):
                 raise InvalidRequestError(f"sampler {type(smp).__name__} returned positions outside the candidates")
-            if has_repeats(allpos):
+            if not increasing and has_repeats(a):
                 raise InvalidRequestError(
                     f"sampler {type(smp).__name__} returned a row twice (or to two DP ranks); parts must be disjoint"
                 )
@@ -879,7 +933,7 @@ class Controller:
         self,
         task: str,
         columns: tuple[str, ...],
-        slots: torch.Tensor,
+        s: np.ndarray,
         consumer: str | None,
         lease_s: float,
         now: float,
@@ -892,29 +946,30 @@ class Controller:
         t = self._tasks[task]
         lid = self._next_lease_id
         self._next_lease_id += 1
-        assign(self._state[t.index], slots, LEASED)
-        assign(self._lease_of[t.index], slots, lid)
+        self._state_np[t.index][s] = LEASED
+        self._lease_of_np[t.index][s] = lid
         for (ti, _), elig in self._eligible_cache.items():
             if ti == t.index:
-                assign(elig, slots, False)
-        row_ids = take(cands.row_ids, pos)
+                elig[s] = False
+        row_ids = torch.from_numpy(cands.row_ids.numpy()[pos.numpy()])
         deadline = now + lease_s
-        self._leases[lid] = _Lease(task, row_ids, columns, deadline, consumer, lease_s, reserved)
+        lease = self._leases[lid] = _Lease(task, row_ids, columns, deadline, consumer, lease_s, reserved, s,
+                                           self._slots_gen)
         self._push_deadline(deadline, lid)
         self._counters["leases_granted"] += 1
-        return self._meta(lid, self._leases[lid], slots, dp_rank)
+        return self._meta(lid, lease, s, dp_rank)
 
-    def _meta(self, lid: int, lease: _Lease, slots: torch.Tensor, dp_rank: int) -> BatchMeta:
+    def _meta(self, lid: int, lease: _Lease, s: np.ndarray, dp_rank: int) -> BatchMeta:
         return BatchMeta(
-            row_ids=lease.row_ids.clone(),
+            row_ids=torch.from_numpy(lease.row_ids.numpy().copy()),
             columns=lease.columns,
             task=lease.task,
             lease_id=lid,
             deadline=lease.deadline,
-            group_ids=take(self._group, slots),
-            min_version=take(self._minv, slots),
-            max_version=take(self._maxv, slots),
-            num_tokens=take(self._tokens, slots),
+            group_ids=torch.from_numpy(self._group_np[s]),
+            min_version=torch.from_numpy(self._minv_np[s]),
+            max_version=torch.from_numpy(self._maxv_np[s]),
+            num_tokens=torch.from_numpy(self._tokens_np[s]),
             extra={"consumer": lease.consumer, "dp_rank": dp_rank},
         )
 
@@ -943,8 +998,9 @@ class Controller:
         lease.deadline, lease.lease_s = now + lease_s, lease_s
         self._push_deadline(lease.deadline, found)
         slots = self._slots(lease.row_ids, missing="drop")
-        if slots.numel() != lease.row_ids.numel():  # some rows were cleared meanwhile
-            lease.row_ids = take(self._row_id, slots)
+        if slots.size != lease.row_ids.numel():  # some rows were cleared meanwhile
+            lease.row_ids = torch.from_numpy(self._row_id_np[slots])
+        lease.slots, lease.slots_gen = slots, self._slots_gen
         return self._meta(found, lease, slots, dp_rank)
 
     def _eos_meta(self, task: str, columns: tuple[str, ...]) -> BatchMeta:
@@ -972,18 +1028,26 @@ class Controller:
         return lease
 
     def _finish(self, lease_id: int, why: str, new_state: int) -> int:
+        return int(self._finish_slots(lease_id, why, new_state).size)
+
+    def _finish_slots(self, lease_id: int, why: str, new_state: int) -> np.ndarray:
+        """End a lease: its rows still held go to ``new_state`` for its task; returns their slots."""
         lease = self._leases.pop(lease_id)
         self._finished[lease_id] = why
         while len(self._finished) > _FINISHED_LEASES_KEPT:
             self._finished.popitem(last=False)
         t = self._tasks[lease.task]
-        slots = self._slots(lease.row_ids, missing="drop")
+        s = lease.slots if lease.slots_gen == self._slots_gen else self._slots(lease.row_ids, missing="drop")
         # only rows still held by this lease (cleared rows are gone, nothing else can hold them)
-        slots = take(slots, where(take(self._lease_of[t.index], slots) == lease_id))
-        assign(self._state[t.index], slots, new_state)
-        assign(self._lease_of[t.index], slots, 0)
-        self._refresh_eligible(slots, t.index)
-        return int(slots.numel())
+        lease_of = self._lease_of_np[t.index]
+        held = lease_of[s] == lease_id
+        if not held.all():
+            s = s[held]
+        self._state_np[t.index][s] = new_state
+        lease_of[s] = 0
+        if new_state == FREE:
+            self._refresh_eligible(s, t.index)  # leased or done rows were not eligible and stay so
+        return s
 
     def ack(self, lease_id: int, now: float | None = None) -> int:
         """Mark the lease's rows done for its task; returns the number of rows acknowledged.
@@ -991,6 +1055,15 @@ class Controller:
         ``LeaseError`` for a second ack, an unknown lease, or a lease whose
         deadline passed (``now >= deadline``; its rows go back to free).
         """
+        return int(self._ack_slots(lease_id, now).size)
+
+    def ack_and_collect(self, lease_id: int, now: float | None = None) -> tuple[int, torch.Tensor]:
+        """:meth:`ack`, then :meth:`gc` of the rows it acknowledged; returns (rows acknowledged, dropped row ids
+        for storage to free). What a deployment's ack does, in one call that finds the lease's rows once."""
+        s = self._ack_slots(lease_id, now)
+        return int(s.size), self._gc_slots(s)
+
+    def _ack_slots(self, lease_id: int, now: float | None) -> np.ndarray:
         lease = self._take_lease(lease_id, "acknowledge")
         if now is not None and now >= lease.deadline:
             self._finish(lease_id, "expired", FREE)
@@ -999,9 +1072,9 @@ class Controller:
                 f"cannot acknowledge lease {lease_id}: its deadline passed {now - lease.deadline:.3f}s ago and its "
                 "rows went back to free. Ask for a longer lease_s, or acknowledge sooner"
             )
-        done = self._finish(lease_id, "acknowledged", DONE)
-        self._counters["rows_done"] += done
-        return done
+        s = self._finish_slots(lease_id, "acknowledged", DONE)
+        self._counters["rows_done"] += int(s.size)
+        return s
 
     def release(self, lease_id: int, now: float | None = None) -> int:
         """Return the lease's rows to free for its task; returns the number of rows freed."""
@@ -1053,11 +1126,13 @@ class Controller:
         """Free every lease whose deadline is ``<= now``; returns (expired lease ids, earliest remaining deadline)."""
         expired = []
         while (first := self.next_deadline()) is not None and first <= now:
-            expired.append(heapq.heappop(self._deadlines)[1])
-        for lid in expired:
+            lid = heapq.heappop(self._deadlines)[1]
+            # finished at once, so a second heap entry of the same deadline (a renewal that did not move it)
+            # is stale when it reaches the top instead of expiring the lease twice
             self._finish(lid, "expired", FREE)
+            expired.append(lid)
         self._counters["leases_expired"] += len(expired)
-        return expired, self.next_deadline()
+        return expired, first
 
     def next_deadline(self) -> float | None:
         """Earliest deadline of an outstanding lease (None if none): when waiters should wake to expire it."""
@@ -1081,6 +1156,11 @@ class Controller:
         mine = [lid for lid, lease in self._leases.items() if lease.consumer == consumer and consumer is not None]
         return sum(self._finish(lid, f"freed because consumer {consumer!r} was declared dead", FREE) for lid in mine)
 
+    def lease_task(self, lease_id: int) -> str | None:
+        """The task of an outstanding lease (None if not outstanding): :meth:`lease_info` without the copies."""
+        lease = self._leases.get(lease_id)
+        return None if lease is None else lease.task
+
     def lease_info(self, lease_id: int) -> dict[str, Any] | None:
         """Task, row ids, deadline and consumer of an outstanding lease (None if not outstanding)."""
         lease = self._leases.get(lease_id)
@@ -1099,13 +1179,13 @@ class Controller:
             self._partition_id(partition)
             self._ended.add(partition)
 
-    def _drop(self, slots: torch.Tensor) -> torch.Tensor:
-        ids = take(self._row_id, slots)
-        assign(self._alive, slots, False)
+    def _drop(self, s: np.ndarray) -> torch.Tensor:
+        ids = torch.from_numpy(self._row_id_np[s])
+        self._alive_np[s] = False
         self._slots_gen += 1
         for elig in self._eligible_cache.values():
-            assign(elig, slots, False)
-        k = int(slots.numel())
+            elig[s] = False
+        k = int(s.size)
         self._live -= k
         self._dead += k
         self._counters["rows_dropped"] += k
@@ -1122,18 +1202,23 @@ class Controller:
         with no consumer task registered nothing is). Rows dropped here are
         gone for tasks registered later.
         """
-        consumers = [t for t in self._tasks.values() if t.is_consumer]
+        if row_ids is None:
+            return self._gc_slots(np.flatnonzero(self._alive_np[: self._n]))
+        return self._gc_slots(self._slots(row_ids, missing="drop"))
+
+    def _gc_slots(self, s: np.ndarray) -> torch.Tensor:
+        """:meth:`gc` among live slots ``s``."""
+        consumers = self._consumers_cache
+        if consumers is None:  # asked on every ack; changes only when a task is registered
+            consumers = self._consumers_cache = [t for t in self._tasks.values() if t.is_consumer]
         if not consumers:
             return torch.empty(0, dtype=torch.int64)
-        if row_ids is None:
-            slots = torch.from_numpy(np.flatnonzero(self._alive[: self._n].numpy()))
-        else:
-            slots = self._slots(row_ids, missing="drop")
         # numpy: a few small-array ops per consumer task on every ack, without a torch call each (_slots)
-        s = slots.numpy()
-        done = np.ones(s.size, dtype=bool)
+        if len(consumers) == 1 and consumers[0].partition is None:  # the usual case: one consumer, every row
+            return self._drop(s[self._state_np[consumers[0].index][s] == DONE])
+        done = np.full(s.size, True)
         covered = np.zeros(s.size, dtype=bool)
-        part = self._partition.numpy()[s] if any(t.partition is not None for t in consumers) else None
+        part = self._partition_np[s] if any(t.partition is not None for t in consumers) else None
         for t in consumers:
             if t.partition is None:
                 applies = None  # every row
@@ -1141,14 +1226,14 @@ class Controller:
                 applies = part == self._partitions[t.partition]
             else:
                 continue
-            is_done = self._state[t.index].numpy()[s] == DONE
+            is_done = self._state_np[t.index][s] == DONE
             if applies is None:
                 done &= is_done
                 covered[:] = True
             else:
                 done &= is_done | ~applies
                 covered |= applies
-        return self._drop(torch.from_numpy(s[done & covered]))
+        return self._drop(s[done & covered])
 
     def drop_rows(self, row_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Drop the live rows among ``row_ids`` now, whatever their task states (e.g. rows a failed put
@@ -1165,33 +1250,34 @@ class Controller:
             if partition not in self._partitions:
                 return torch.empty(0, dtype=torch.int64)
             mask &= self._partition[:n] == self._partitions[partition]
-        dropped = self._drop(mask.nonzero().squeeze(1))
+        dropped = self._drop(np.flatnonzero(mask.numpy()))
         self._dp_rounds.clear()
         self._forget_empty_leases()
         return dropped
 
     def _forget_empty_leases(self) -> None:
         for lid in list(self._leases):
-            if self._slots(self._leases[lid].row_ids, missing="drop").numel() == 0:
+            if self._slots(self._leases[lid].row_ids, missing="drop").size == 0:
                 self._leases.pop(lid)
                 self._finished[lid] = "cleared (its rows were dropped)"
 
     def _compact(self) -> None:
         n = self._n
-        keep = torch.from_numpy(np.flatnonzero(self._alive[:n].numpy()))
-        k = keep.numel()
-        for name in ("_row_id", "_alive", "_partition", "_group", "_tokens", "_minv", "_maxv", "_ready"):
-            arr = getattr(self, name)
-            arr[:k] = take(arr[:n], keep)
-        for lst in (self._state, self._lease_of):
-            for arr in lst:
-                arr[:k] = take(arr[:n], keep)
-        self._alive[k:n] = False
+        keep = np.flatnonzero(self._alive_np[:n])
+        k = keep.size
+        if k:  # with nothing live nothing moves: add_rows writes every field of a slot it reuses
+            # the kept eligibility moves with its rows (it is a function of the row's fields)
+            for arr in (self._row_id_np, self._alive_np, self._partition_np, self._group_np, self._tokens_np,
+                        self._minv_np, self._maxv_np, self._ready_np, *self._state_np, *self._lease_of_np,
+                        *self._eligible_cache.values()):
+                arr[:k] = arr[:n][keep]
+        self._alive_np[k:n] = False
+        for elig in self._eligible_cache.values():
+            elig[k:n] = False
         self._n = k
         self._dead = 0
-        oldest = int(self._row_id[0]) if k else self._next_row_id
+        oldest = int(self._row_id_np[0]) if k else self._next_row_id
         self._group_span = {g: span for g, span in self._group_span.items() if span[1] >= oldest}
-        self._eligible_cache.clear()  # slots moved
         self._slots_gen += 1
 
     # ------------------------------------------------------------------ checkpoint, stats

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from pydantic import ConfigDict, Field
 
@@ -100,6 +101,8 @@ class _Waiters:
         satisfies."""
         if events is None:
             self.wake_all()
+            return
+        if not self._items:  # nobody waits (the common case on a busy store): nothing to check
             return
         answers: dict[tuple[frozenset[str], tuple[str, int] | None], bool] = {}
 
@@ -218,8 +221,7 @@ class InProcessStore(StreamStore):
         return columns, can_lease
 
     def _lease_task(self, meta: BatchMeta) -> str | None:
-        info = self.controller.lease_info(meta.lease_id) if isinstance(meta.lease_id, int) else None
-        return None if info is None else info["task"]
+        return self.controller.lease_task(meta.lease_id) if isinstance(meta.lease_id, int) else None
 
     async def _block(self, attempt: Callable[[], T | None], timeout: float | None, what: str,
                      waits_for: frozenset[str] | None = None, columns: frozenset[str] = frozenset(),
@@ -264,17 +266,19 @@ class InProcessStore(StreamStore):
     def _num_tokens(self, ids: torch.Tensor, columns: Mapping[str, Column], new: bool = False) -> torch.Tensor | None:
         """Per-row token count after a write of ``columns``: the summed lengths of the stored token columns (of
         new rows, which hold only what was just written, the written columns' own lengths)."""
-        if not any(c in columns for c in self.config.token_columns):
+        token_columns = self.config.token_columns
+        if not any(c in columns for c in token_columns):
             return None
-        total = torch.zeros(ids.numel(), dtype=torch.int64)
-        for c in self.config.token_columns:
+        total = np.zeros(ids.numel(), dtype=np.int64)  # numpy: no torch call per column (store/indexing.py)
+        for c in token_columns:
             if new:
                 col = columns.get(c)
                 if isinstance(col, RaggedTensor):
-                    total += col.lengths
+                    offsets = col.offsets.numpy() if col.offsets.is_cpu else col.offsets.cpu().numpy()
+                    total += offsets[1:] - offsets[:-1]
             else:
-                total += self.storage.lengths(ids, c)
-        return total
+                total += self.storage.lengths(ids, c).numpy()
+        return torch.from_numpy(total)
 
     # ------------------------------------------------------------------ the contract
 
@@ -383,8 +387,7 @@ class InProcessStore(StreamStore):
         def do() -> None:
             # collected rows free capacity; the task's own waiters may now see the end of the stream
             wakes.extend((_CAPACITY, _task_event(self._lease_task(meta))))
-            self.controller.ack(meta.lease_id, now=self._clock())
-            self.storage.free(self.controller.gc(meta.row_ids))
+            self.storage.free(self.controller.ack_and_collect(meta.lease_id, now=self._clock())[1])
 
         self._call(do, wakes=wakes)
 

@@ -9,7 +9,9 @@ vectorised gathers whatever the write pattern was:
 
 - a row table addressed by ``row_id - base`` (row ids are dense and increase,
   so a direct-address table beats hashing; ``base`` moves forward as old rows
-  are freed, and the table is reset whenever it empties);
+  are freed, and the table is reset whenever it empties). The per-row tables
+  are numpy arrays: always on the CPU, indexed with no torch dispatch, no
+  ``Tensor.numpy()`` per access and no release of the GIL (``store/indexing.py``);
 - a dense column is one tensor ``[table, *trailing]``: row ``i``'s value sits
   at its table position;
 - a ragged column is a packed arena of values plus per-row ``(start, length)``
@@ -29,7 +31,7 @@ import torch
 
 from asyncflow_core.store.controller import has_repeats
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, UnknownColumnError, UnknownRowError
-from asyncflow_core.store.indexing import assign, take, where
+from asyncflow_core.store.indexing import assign, take
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 _MIN_TABLE = 1024
@@ -52,7 +54,7 @@ class ColumnSchema:
 class _Dense:
     def __init__(self, schema: ColumnSchema, alloc: int, device: torch.device) -> None:
         self.data = torch.zeros((alloc, *schema.trailing), dtype=schema.dtype, device=device)
-        self.present = torch.zeros(alloc, dtype=torch.bool)
+        self.present = np.zeros(alloc, dtype=bool)
 
 
 class _Ragged:
@@ -60,13 +62,14 @@ class _Ragged:
         self.set_values(torch.zeros((_MIN_ARENA, *schema.trailing), dtype=schema.dtype, device=device))
         self.used = 0
         self.garbage = 0
-        self.start = torch.zeros(alloc, dtype=torch.int64)
-        self.length = torch.zeros(alloc, dtype=torch.int64)
-        self.present = torch.zeros(alloc, dtype=torch.bool)
+        self.start = np.zeros(alloc, dtype=np.int64)
+        self.length = np.zeros(alloc, dtype=np.int64)  #: 0 wherever ``present`` is False
+        self.present = np.zeros(alloc, dtype=bool)
 
     def set_values(self, values: torch.Tensor) -> None:
         """Make ``values`` the arena; what uses its storage now is the arena's own share (see :meth:`in_use`)."""
         self.values = values
+        self.zero_width = _zero_width(values)  #: lengths-only values (see :func:`_zero_width`)
         self.viewed = False  #: a read handed out a view of this arena
         self._own_users = _storage_users(values)
 
@@ -134,7 +137,7 @@ class StorageUnit:
     def _reset_rows(self) -> None:
         self._base = 0
         self._alloc = _MIN_TABLE
-        self._known = torch.zeros(self._alloc, dtype=torch.bool)
+        self._known = np.zeros(self._alloc, dtype=bool)
         self._num_known = 0
         self._cols: dict[str, _Dense | _Ragged] = {
             name: self._new_col(schema) for name, schema in self._schema.items()
@@ -191,32 +194,36 @@ class StorageUnit:
     def _relayout(self, new_base: int, new_alloc: int) -> None:
         """Move every per-row array to a table starting at ``new_base`` with ``new_alloc`` slots."""
         shift = self._base - new_base
-        old = torch.arange(self._alloc, dtype=torch.int64)
-        keep = (old + shift >= 0) & (old + shift < new_alloc)
-        src = where(keep)
+        old = np.arange(self._alloc, dtype=np.int64)
+        src = np.flatnonzero((old + shift >= 0) & (old + shift < new_alloc))
         dst = src + shift
 
-        def move(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
-            out = torch.full((new_alloc, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
-            assign(out, dst.to(t.device), take(t, src.to(t.device)))
+        def move(t: np.ndarray) -> np.ndarray:
+            out = np.zeros(new_alloc, dtype=t.dtype)
+            out[dst] = t[src]
+            return out
+
+        def move_data(t: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros((new_alloc, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            assign(out, torch.from_numpy(dst).to(t.device), take(t, torch.from_numpy(src).to(t.device)))
             return out
 
         self._known = move(self._known)
         for col in self._cols.values():
             col.present = move(col.present)
             if isinstance(col, _Dense):
-                col.data = move(col.data)
+                col.data = move_data(col.data)
             else:
                 col.start = move(col.start)
                 col.length = move(col.length)
         self._base, self._alloc = new_base, new_alloc
 
-    def _ensure(self, ids: torch.Tensor) -> torch.Tensor:
-        lo, hi = int(ids.min()), int(ids.max()) + 1
+    def _ensure(self, ids: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Table positions of ``ids`` (all in ``[lo, hi)``), growing or re-anchoring the table so they fit."""
         if self._num_known == 0:
             if hi - lo > self._alloc:
                 self._alloc = max(2 * self._alloc, hi - lo)
-                self._known = torch.zeros(self._alloc, dtype=torch.bool)
+                self._known = np.zeros(self._alloc, dtype=bool)
                 self._cols = {name: self._new_col(s) for name, s in self._schema.items()}
             self._base = lo  # empty table: re-anchor for free
         new_lo = min(self._base, lo)
@@ -225,23 +232,20 @@ class StorageUnit:
             self._relayout(new_lo, max(2 * self._alloc, new_hi - new_lo))
         return ids - self._base
 
-    def _inside(self, pos: torch.Tensor) -> torch.Tensor | None:
+    def _inside(self, pos: np.ndarray) -> np.ndarray | None:
         """``pos`` limited to the table: the positions that fall inside it, or None when all of them do."""
-        if pos.numel() == 0:
+        if pos.size == 0 or (int(pos.min()) >= 0 and int(pos.max()) < self._alloc):
             return None
-        lo, hi = torch.aminmax(pos)
-        if int(lo) >= 0 and int(hi) < self._alloc:
-            return None
-        return where((pos >= 0) & (pos < self._alloc))
+        return np.flatnonzero((pos >= 0) & (pos < self._alloc))
 
-    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+    def _positions(self, ids: np.ndarray) -> np.ndarray:
         pos = ids - self._base
         inside = self._inside(pos)
         if inside is None:
-            ok = take(self._known, pos)
+            ok = self._known[pos]
         else:
-            ok = torch.zeros(pos.numel(), dtype=torch.bool)
-            assign(ok, inside, take(self._known, take(pos, inside)))
+            ok = np.zeros(pos.size, dtype=bool)
+            ok[inside] = self._known[pos[inside]]
         if not bool(ok.all()):
             bad = ids[~ok][:8].tolist()
             raise UnknownRowError(f"rows {bad} hold no data in this storage unit (never written, or freed); "
@@ -256,41 +260,45 @@ class StorageUnit:
 
         ``validated=True``: the caller ran :meth:`validate` on these columns already (with nothing written
         since), so it is not repeated."""
-        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        ids = _ids(row_ids)
         if not validated:
-            self.validate(ids.numel(), columns)
-        if ids.numel() == 0:
+            self.validate(ids.size, columns)
+        if ids.size == 0:
             return
-        if int(ids.min()) < 0:
+        increasing = ids.size < 2 or bool((ids[1:] > ids[:-1]).all())  # the usual case: no sort, no min/max pass
+        lo, hi = (int(ids[0]), int(ids[-1]) + 1) if increasing else (int(ids.min()), int(ids.max()) + 1)
+        if lo < 0:
             raise InvalidRequestError("row ids must be non-negative")
-        if has_repeats(ids):
+        if not increasing and has_repeats(ids):
             raise InvalidRequestError("row ids repeat in one write; write each row once per call")
         # everything validated: from here on nothing raises on bad input
         for name, col in columns.items():
             if name not in self._schema:
                 self._schema[name] = _schema_of(col)
                 self._cols[name] = self._new_col(self._schema[name])
-            elif isinstance(col, RaggedTensor) and col.numel_packed and self._schema[name] != _schema_of(col):
+            elif (isinstance(col, RaggedTensor) and col.numel_packed
+                  and self._schema[name].trailing != tuple(col.values.shape[1:])):  # dtypes match (validated)
                 self._schema[name] = _schema_of(col)  # validated: the column held no values (see _reshapes)
                 store = self._cols[name]
                 store.set_values(store.values.new_zeros((store.values.shape[0], *col.values.shape[1:])))  # type: ignore[union-attr]
-        pos = self._ensure(ids)
-        newly = int((~take(self._known, pos)).sum())
-        assign(self._known, pos, True)
-        self._num_known += newly
+        pos = self._ensure(ids, lo, hi)
+        known = self._known
+        self._num_known += pos.size - int(np.count_nonzero(known[pos]))
+        known[pos] = True
         for name, col in columns.items():
             store = self._cols[name]
             if isinstance(store, _Dense):
-                assign(store.data, pos.to(self.device), col.to(self.device))  # type: ignore[union-attr]
+                assign(store.data, torch.from_numpy(pos).to(self.device), col.to(self.device))  # type: ignore[union-attr]
             else:
                 self._append_ragged(store, pos, col)  # type: ignore[arg-type]
-            assign(store.present, pos, True)
+            store.present[pos] = True
 
-    def _append_ragged(self, store: _Ragged, pos: torch.Tensor, col: RaggedTensor) -> None:
-        old = take(store.present, pos)
-        store.garbage += int((take(store.length, pos) * old).sum())
-        assign(store.present, pos, False)  # overwritten segments are garbage now, so compaction drops them
-        assign(store.length, pos, 0)
+    def _append_ragged(self, store: _Ragged, pos: np.ndarray, col: RaggedTensor) -> None:
+        old = store.present[pos]
+        if old.any():  # rows written before: their segments are garbage now, so compaction drops them
+            store.garbage += int(store.length[pos[old]].sum())
+            store.present[pos] = False
+            store.length[pos] = 0
         total = col.numel_packed
         if store.used and store.used == store.garbage and not store.in_use():
             # nothing live, and no reader sees the arena any more: start it over on its warm pages (a reader
@@ -298,10 +306,11 @@ class StorageUnit:
             store.used = store.garbage = 0
         if store.used + total > store.values.shape[0]:
             self._compact_arena(store, extra=total)
-        if total and not _zero_width(store.values):  # lengths-only values: only the offsets are kept
+        if total and not store.zero_width:  # lengths-only values: only the offsets are kept
             _copy_into(store.values[store.used : store.used + total], col.values.to(self.device))
-        assign(store.start, pos, store.used + col.offsets[:-1])
-        assign(store.length, pos, col.lengths)
+        offsets = _cpu_numpy(col.offsets)
+        store.start[pos] = store.used + offsets[:-1]
+        store.length[pos] = offsets[1:] - offsets[:-1]
         store.used += total
 
     def _compact_arena(self, store: _Ragged, extra: int = 0) -> None:
@@ -311,11 +320,11 @@ class StorageUnit:
         new_cap = cap
         while new_cap < live + extra or (new_cap < 2 * (live + extra)):
             new_cap *= 2
-        pos = torch.from_numpy(np.flatnonzero(store.present.numpy()))
+        pos = np.flatnonzero(store.present)
         # keep arena order (ordered by start), so contiguous writes stay contiguous
-        pos = take(pos, torch.argsort(take(store.start, pos)))
-        starts, lens = take(store.start, pos), take(store.length, pos)
-        new_starts = torch.cumsum(lens, 0) - lens
+        pos = pos[np.argsort(store.start[pos], kind="stable")]
+        starts, lens = store.start[pos], store.length[pos]
+        new_starts = np.cumsum(lens) - lens
         old_values = store.values
         if new_cap == cap and _numpy_viewable(old_values) and not store.in_use():
             # the same size: pack in place, so the arena's pages (touched already) are reused; a fresh arena
@@ -328,7 +337,7 @@ class StorageUnit:
             if not _zero_width(values):  # zero-width values have nothing to move
                 _pack_segments(old_values, values, starts, lens)
             store.set_values(values)
-        assign(store.start, pos, new_starts)
+        store.start[pos] = new_starts
         store.used, store.garbage = live, 0
 
     def read(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str], *, views: bool = False) -> Batch:
@@ -340,91 +349,91 @@ class StorageUnit:
         referenced moves to a fresh arena), so such a view keeps its values as long as it is referenced;
         it must be treated as read-only.
         """
-        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        ids_t = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        ids = _cpu_numpy(ids_t)
         out: dict[str, Column] = {}
+        cols = self._cols
         for name in columns:
-            if name not in self._cols:
+            if name not in cols:
                 raise UnknownColumnError(
-                    f"column {name!r} was never written; written columns: {sorted(self._cols)}"
+                    f"column {name!r} was never written; written columns: {sorted(cols)}"
                 )
-        pos = self._positions(ids) if ids.numel() else ids
+        pos = self._positions(ids) if ids.size else ids
         for name in columns:
-            store = self._cols[name]
-            missing = ~take(store.present, pos)
-            if bool(missing.any()):
-                bad = ids[missing][:8].tolist()
+            store = cols[name]
+            present = store.present[pos]
+            if not present.all():
+                bad = ids[~present][:8].tolist()
                 raise UnknownColumnError(
                     f"rows {bad} have no value for column {name!r} yet; lease rows with get_meta(columns=[...]) "
                     "so only rows whose columns are ready are read"
                 )
             if isinstance(store, _Dense):
-                out[name] = take(store.data, pos.to(self.device))
+                out[name] = take(store.data, torch.from_numpy(pos).to(self.device))
             else:
                 out[name] = _gather_ragged(store, pos, self.device, views=views)
-        return Batch(out, row_ids=ids, num_rows=ids.numel())
+        return Batch(out, row_ids=ids_t, num_rows=ids.size)
 
     def has(self, row_ids: torch.Tensor | Sequence[int], column: str) -> torch.Tensor:
         """Bool per row: does it hold a value for ``column``?"""
-        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        ids = _ids(row_ids)
         store = self._cols.get(column)
         if store is None:
-            return torch.zeros(ids.numel(), dtype=torch.bool)
-        pos = ids - self._base
-        inside = self._inside(pos)
-        if inside is None:
-            return take(store.present, pos)
-        out = torch.zeros(ids.numel(), dtype=torch.bool)
-        assign(out, inside, take(store.present, take(pos, inside)))
-        return out
+            return torch.zeros(ids.size, dtype=torch.bool)
+        return torch.from_numpy(self._per_row(store.present, ids - self._base))
 
     def lengths(self, row_ids: torch.Tensor | Sequence[int], column: str) -> torch.Tensor:
         """Per-row sequence length of a ragged ``column`` (0 where absent, or for dense columns)."""
-        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        ids = _ids(row_ids)
         store = self._cols.get(column)
         if not isinstance(store, _Ragged):
-            return torch.zeros(ids.numel(), dtype=torch.int64)
-        pos = ids - self._base
+            return torch.zeros(ids.size, dtype=torch.int64)
+        return torch.from_numpy(self._per_row(store.length, ids - self._base))  # 0 where absent (see _Ragged)
+
+    def _per_row(self, table: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """``table[pos]``, with 0 (False) for positions outside the table; always a fresh array."""
         inside = self._inside(pos)
         if inside is None:
-            return take(store.length, pos) * take(store.present, pos)
-        out = torch.zeros(ids.numel(), dtype=torch.int64)
-        p = take(pos, inside)
-        assign(out, inside, take(store.length, p) * take(store.present, p))
+            return table[pos]
+        out = np.zeros(pos.size, dtype=table.dtype)
+        out[inside] = table[pos[inside]]
         return out
 
     # ------------------------------------------------------------------ freeing
 
     def free(self, row_ids: torch.Tensor | Sequence[int]) -> None:
         """Forget ``row_ids`` (unknown ids are ignored) and reclaim their space."""
-        ids = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
-        if ids.numel() == 0:
+        ids = _ids(row_ids)
+        if ids.size == 0:
             return
         pos = ids - self._base
         inside = self._inside(pos)
         if inside is not None:
-            pos = take(pos, inside)
-        pos = take(pos, where(take(self._known, pos)))
-        if pos.numel() == 0:
+            pos = pos[inside]
+        known = self._known
+        held = known[pos]
+        if not held.all():
+            pos = pos[held]
+        if pos.size == 0:
             return
-        assign(self._known, pos, False)
-        self._num_known -= int(pos.numel())
+        known[pos] = False
+        self._num_known -= pos.size
         for store in self._cols.values():
             if isinstance(store, _Ragged):
-                had = take(store.present, pos)
-                store.garbage += int((take(store.length, pos) * had).sum())
-                assign(store.length, pos, 0)
+                store.garbage += int(store.length[pos].sum())  # 0 where absent (see _Ragged)
+                store.length[pos] = 0
                 # reclaim garbage now unless a reader may still see the arena (a write that needs the room
                 # compacts then, into a fresh arena if it is still seen)
                 if store.garbage > _MIN_ARENA and 2 * store.garbage > store.used and not store.in_use():
-                    assign(store.present, pos, False)
+                    store.present[pos] = False
                     self._compact_arena(store)
-            assign(store.present, pos, False)
+            store.present[pos] = False
         if self._num_known == 0:
             for store in self._cols.values():  # an empty unit starts its arenas over (see _append_ragged)
                 if isinstance(store, _Ragged) and not store.in_use():
                     store.used = store.garbage = 0
         else:
-            first = int(np.argmax(self._known.numpy()))  # the first live slot (numpy: one thread, see indexing.py)
+            first = int(np.argmax(known))  # the first live slot
             if first > _MIN_TABLE and 2 * first > self._alloc:
                 self._relayout(self._base + first, self._alloc)
 
@@ -442,7 +451,7 @@ class StorageUnit:
             s = self._schema[name]
             elem = torch.empty((), dtype=s.dtype).element_size() * int(torch.Size(s.trailing).numel())
             if isinstance(store, _Dense):
-                total += int(store.present.sum()) * elem
+                total += int(np.count_nonzero(store.present)) * elem
             else:
                 total += (store.used - store.garbage) * elem
         return total
@@ -460,10 +469,10 @@ class StorageUnit:
         """Every stored value, by column, with the rows that hold it."""
         cols: dict[str, Any] = {}
         for name, store in self._cols.items():
-            pos = store.present.nonzero().squeeze(1)
-            ids = pos + self._base
+            pos = np.flatnonzero(store.present)
+            ids = torch.from_numpy(pos + self._base)
             if isinstance(store, _Dense):
-                data: Column = store.data[pos.to(self.device)].cpu()
+                data: Column = store.data[torch.from_numpy(pos).to(self.device)].cpu()
             else:
                 data = _gather_ragged(store, pos, self.device).to("cpu")
             s = self._schema[name]
@@ -488,7 +497,7 @@ class StorageUnit:
 _SLICE_GATHER_MIN_MEAN = 32
 
 
-def _pack_segments(src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
+def _pack_segments(src: torch.Tensor, dst: torch.Tensor, starts: np.ndarray, lengths: np.ndarray) -> None:
     """Copy segments ``src[starts[i] : starts[i] + lengths[i]]`` (sorted by start) back to back to the front of ``dst``.
 
     Touching segments are merged into runs first (rows written by one put lie
@@ -498,14 +507,14 @@ def _pack_segments(src: torch.Tensor, dst: torch.Tensor, starts: torch.Tensor, l
     total = int(lengths.sum())
     if total == 0:
         return
-    if total < _SLICE_GATHER_MIN_MEAN * lengths.numel():
-        dst[:total] = take(src, _segment_index(starts, lengths).to(src.device))
+    if total < _SLICE_GATHER_MIN_MEAN * lengths.size:
+        dst[:total] = take(src, torch.from_numpy(_segment_index(starts, lengths)).to(src.device))
         return
     ends = starts + lengths
-    head = torch.ones(starts.numel(), dtype=torch.bool)
+    head = np.ones(starts.size, dtype=bool)
     head[1:] = starts[1:] != ends[:-1]
-    first = head.nonzero().squeeze(1)
-    last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
+    first = np.flatnonzero(head)
+    last = np.append(first[1:] - 1, starts.size - 1)
     out = 0
     for a, b in zip(starts[first].tolist(), ends[last].tolist(), strict=True):
         _copy_into(dst[out : out + b - a], src[a:b])
@@ -531,7 +540,7 @@ def _numpy_viewable(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES and not t.requires_grad and not _zero_width(t)
 
 
-def _pack_in_place(values: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> None:
+def _pack_in_place(values: torch.Tensor, starts: np.ndarray, lengths: np.ndarray) -> None:
     """Move segments ``values[starts[i] : starts[i] + lengths[i]]`` (sorted by start) back to back to the front of
     ``values`` itself. Segment i lands at or below its start and ends at or below segment i + 1's start, so no
     move overwrites a segment not yet moved; numpy's copy handles the overlap within one move."""
@@ -563,29 +572,38 @@ def _zero_width(values: torch.Tensor) -> bool:
     return values.dim() > 1 and 0 in values.shape[1:]
 
 
-def _segment_index(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Positions ``starts[i] .. starts[i] + lengths[i]`` for every segment, concatenated (vectorised).
+def _segment_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Positions ``starts[i] .. starts[i] + lens[i]`` for every segment, concatenated (vectorised).
 
     In numpy (the tables are CPU int64): torch's ``repeat_interleave`` path took 0.4 ms a call here, numpy 20 µs.
     """
-    lens = lengths.numpy()
     total = int(lens.sum())
     if total == 0:
-        return torch.empty(0, dtype=torch.int64)
+        return np.empty(0, dtype=np.int64)
     seg = np.repeat(np.arange(lens.size), lens)
     offsets = np.cumsum(lens) - lens
-    return torch.from_numpy(starts.numpy()[seg] + (np.arange(total, dtype=np.int64) - offsets[seg]))
+    return starts[seg] + (np.arange(total, dtype=np.int64) - offsets[seg])
 
 
-def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device, views: bool = False) -> RaggedTensor:
-    starts, lens = take(store.start, pos), take(store.length, pos)
-    # the row bookkeeping in numpy (CPU int64 tables): no torch call, so no release of the GIL (store/indexing.py)
-    st, ln = starts.numpy(), lens.numpy()
+def _ids(row_ids: torch.Tensor | Sequence[int]) -> np.ndarray:
+    """Row ids as a 1-D int64 numpy array (shares a CPU int64 tensor's memory)."""
+    if isinstance(row_ids, torch.Tensor) and row_ids.dtype == torch.int64 and row_ids.dim() == 1 and row_ids.is_cpu:
+        return row_ids.numpy()
+    return _cpu_numpy(torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1))
+
+
+def _cpu_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view (a copy from another device)."""
+    return t.numpy() if t.is_cpu else t.cpu().numpy()
+
+
+def _gather_ragged(store: _Ragged, pos: np.ndarray, device: torch.device, views: bool = False) -> RaggedTensor:
+    st, ln = store.start[pos], store.length[pos]
     offs = np.zeros(ln.size + 1, dtype=np.int64)
     np.cumsum(ln, out=offs[1:])
     offsets = torch.from_numpy(offs)
     total = int(offs[-1])
-    if _zero_width(store.values):  # lengths-only values: the offsets are the whole column
+    if store.zero_width:  # lengths-only values: the offsets are the whole column
         values = store.values.new_empty((total, *store.values.shape[1:]))
     elif ln.size and bool((st[1:] == st[:-1] + ln[:-1]).all()):
         s0 = int(st[0])  # rows written together: one slice instead of a gather
@@ -594,14 +612,14 @@ def _gather_ragged(store: _Ragged, pos: torch.Tensor, device: torch.device, view
             store.viewed = True
         else:
             values = _clone(store.values[s0 : s0 + total])
-    elif pos.numel() and total >= _SLICE_GATHER_MIN_MEAN * pos.numel():
+    elif pos.size and total >= _SLICE_GATHER_MIN_MEAN * pos.size:
         # long sequences (the usual case for tokens): one slice per row and one copy beats a per-token index
         vals = store.values
         values = vals.new_empty((total, *vals.shape[1:]))
         at = 0
-        for a, n in zip(starts.tolist(), lens.tolist(), strict=True):
+        for a, n in zip(st.tolist(), ln.tolist(), strict=True):
             _copy_into(values[at : at + n], vals[a : a + n])
             at += n
     else:
-        values = take(store.values, _segment_index(starts, lens).to(device))
+        values = take(store.values, torch.from_numpy(_segment_index(st, ln)).to(device))
     return RaggedTensor(values, offsets if values.device.type == "cpu" else offsets.to(values.device))

@@ -166,10 +166,9 @@ class StoreCore:
         self.check_open()
         lid = self._lease_id(meta, "acknowledge")
         try:
-            done = self.controller.ack(lid, time.monotonic())
+            done, dropped = self.controller.ack_and_collect(lid, time.monotonic())
         finally:
             self.notify()  # an expired lease freed rows even when ack raised
-        dropped = self.controller.gc(meta.row_ids)
         if dropped.numel():
             self.on_drop(dropped)
         return done
