@@ -131,7 +131,11 @@ class RolloutConfig(Component):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k cut-off; -1 disables it.")
     max_inflight: int = Field(256, ge=1, description="Most requests one replica works on at once (its batch/KV budget).")
-    rows_per_lease: int = Field(64, ge=1, description="Most prompt rows the dispatcher leases from the store at once.")
+    rows_per_lease: int = Field(
+        256, ge=1,
+        description="Most prompt rows the dispatcher leases from the store at once (it takes what is ready, up to "
+        "this and the replicas' free slots); each lease is a few store calls, and its rows start together.",
+    )
     kv_cache: str = Field(
         "recompute", pattern="^(keep|recompute)$",
         description="KV cache of requests held across an in-flight weight update: keep or recompute.",
@@ -362,7 +366,12 @@ class PipelineConfig(StrictModel):
     max_failure_rate: float = Field(
         0.2, ge=0, le=1, description="Stop the run when more than this fraction of processed rows failed."
     )
-    reward_batch: int = Field(32, ge=1, description="Rows a reward worker leases at once.")
+    reward_batch: int | None = Field(
+        None, ge=1,
+        description="Most rows a reward worker leases at once (it takes what is ready, up to this). Default: one "
+        "step's rows (data.prompts_per_step x rollout.n), so a cheap reward costs a few store calls a step; set it "
+        "lower to spread a slow reward's rows over more of reward.workers.",
+    )
     logprob_batch: int = Field(64, ge=1, description="Rows a reference/proximal log-prob stage leases at once.")
     write_interval_s: float = Field(
         0.05, gt=0, description="Finished rollouts are written in batches at most this long after they finish."

@@ -165,7 +165,7 @@ class PipelinePlan:
         else:
             reward_stage = self.reward_stage or RewardStage(
                 reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
-                batch_size=cfg.pipeline.reward_batch, reward_name=cfg.reward.name)
+                batch_size=cfg.pipeline.reward_batch or B * n, reward_name=cfg.reward.name)
         added = [*self.plugins, *extra_stages]
         stages: list[Stage] = [
             # over-provisioned prompts are admitted to the end too (those left at the stop count as unfinished)

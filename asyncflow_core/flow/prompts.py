@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import math
 
 from asyncflow_core.types import RaggedTensor
 
@@ -11,17 +11,25 @@ __all__ = ["row_prompts"]
 
 def row_prompts(prompts: RaggedTensor, gids: list[int]) -> list[tuple[int, ...]]:
     """Each row's prompt ids as a tuple. The rows of a group usually carry one prompt: a row whose ids equal
-    those of its group's first row in the lease gets that row's tuple (one comparison in C instead of a
-    conversion of every id to a Python int, ~4x cheaper for a 512-token prompt); any other row is converted."""
+    those of its group's first row in the lease gets that row's tuple; any other row is converted.
+
+    The comparison is of the rows' bytes, sliced from one copy of the values: no tensor call per row (each
+    costs a few µs of the driver's GIL, ~10 µs a row for the two slices and ``torch.equal`` it replaced), and
+    no conversion of a repeated row's ids to Python ints.
+    """
     offs = prompts.offsets.tolist()
     vals = prompts.values
+    arr = (vals if vals.device.type == "cpu" else vals.cpu()).detach().numpy()
+    raw = arr.tobytes()
+    width = arr.itemsize * math.prod(arr.shape[1:])  #: bytes per token (0 for lengths-only values)
     first: dict[int, int] = {}
     out: list[tuple[int, ...]] = []
     for i, g in enumerate(gids):
         a, b = offs[i], offs[i + 1]
         j = first.setdefault(g, i)
-        if j != i and offs[j + 1] - offs[j] == b - a and torch.equal(vals[a:b], vals[offs[j]:offs[j + 1]]):
+        c, d = offs[j], offs[j + 1]
+        if j != i and d - c == b - a and raw[a * width:b * width] == raw[c * width:d * width]:
             out.append(out[j])
         else:
-            out.append(tuple(vals[a:b].tolist()))
+            out.append(tuple(arr[a:b].tolist()))
     return out

@@ -31,7 +31,7 @@ from asyncflow_core.flow.prompts import row_prompts
 from asyncflow_core.flow.episode import EpisodeFactory, SingleTurn, SingleTurnEpisodes
 from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re-exported (older imports)
 from asyncflow_core.flow.rollout_episodes import EpisodeDriving
-from asyncflow_core.flow.rollout_eval import EvalDispatch, EvalSlot, training_inflight
+from asyncflow_core.flow.rollout_eval import EvalDispatch, EvalSlot
 from asyncflow_core.flow.stage import Stage, unless
 from asyncflow_core.flow.rollout_tail import TailHandling
 from asyncflow_core.flow.staleness import REQUEST_START, StalenessGuard
@@ -252,7 +252,7 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
         for idx, reqs in per.items():
             r = self.replicas[idx]
             self._mark_busy(r)
-            self._spawn(self._drive(r, reqs))
+            self._send(r, reqs)
 
     def _request(self, req: SingleTurn) -> GenerationRequest:
         return req.request(self.sampling)
@@ -358,24 +358,6 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
             await self.writer.write(req, res)
         self._dispatch()
         self._poke()
-
-    async def _stale_watch(self) -> None:
-        """On every trainer version, abort in-flight requests that can no longer be used."""
-        ctx = self.ctx
-        seen = ctx.version
-        while not ctx.stop.is_set():
-            await ctx.wait_for(lambda: ctx.version != seen)
-            seen = ctx.version
-            for r in self.replicas:
-                if r.dead or not r.engine.features.supports_abort:
-                    continue
-                ids = self.guard.to_abort(training_inflight(r), seen)
-                if ids:
-                    ctx.counters["aborted_stale"] += len(ids)
-                    try:
-                        await self.pool.abort(r, ids)
-                    except Exception as exc:  # noqa: BLE001
-                        await self.replica_died(r, exc)
 
     # -- colocated sleep/wake and telemetry -------------------------------------------------------------
 

@@ -323,7 +323,10 @@ def test_request_start_is_honoured_for_episodes_through_the_stage():
     eps = MultiTurnEpisodes(ep_settings(Flaky))
     Flaky.built, Flaky.lost_rows, Flaky.steps = 0, set(), []
     recs = [PromptRecord(i, f"q{i} ", metadata={"turns": 4}) for i in range(16)]
-    _, _, ctx, at_write, stage = asyncio.run(_run(recs, eps, engines=engines, k=1, bump_every=5, max_new=5,
+    # bump_every=3: versions move often enough that some episodes start before their first token's version (the
+    # count depends on how the loop interleaves sends and results: 0 of 16 at bump_every=5 since a replica's
+    # requests of one loop turn go out as one generate call, 4 at 3)
+    _, _, ctx, at_write, stage = asyncio.run(_run(recs, eps, engines=engines, k=1, bump_every=3, max_new=5,
                                                   max_inflight=3, started=started))
     assert sorted(at_write) == list(range(16)) and not failed(ctx) and ctx.version >= 3
     assert ctx.counters["requeued_stale_episode"] > 0

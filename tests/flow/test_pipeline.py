@@ -85,3 +85,18 @@ def test_episodes_with_a_loss_mask_need_an_algorithm_that_honours_it():
 
     for name in ("grpo", "rloo", "reinforce_pp", "ppo"):  # the built-ins all honour it (AlgorithmSpec proves it)
         assert algorithm_features(get_plugin_manager().create("algorithm", name, {})).honours_loss_mask, name
+
+
+@pytest.mark.parametrize("overrides, rows", [([], 32 * 8), (["pipeline.reward_batch=24"], 24)])
+def test_the_reward_stage_leases_a_steps_rows_unless_reward_batch_says_otherwise(overrides, rows):
+    """Default ``pipeline.reward_batch``: a lease takes every ready row up to one step's (prompts_per_step x n), so a
+    cheap reward costs a few store calls a step instead of one lease per 32 rows; an explicit value is kept."""
+    from asyncflow_core.config import load_config
+    from asyncflow_core.plugins import get_plugin_manager
+
+    cfg = load_config("examples/arithmetic_grpo.yaml", overrides)
+    algo = get_plugin_manager().create("algorithm", "grpo", {"group_size": 8})
+    pipe = PipelinePlan(cfg=cfg, algorithm=algo, plugins=[]).build(
+        dataset=[], tokenizer=None, replicas=[], transport=None, sampling=None, reward=None, trainer=None)
+    assert pipe.reward_stage is not None and pipe.reward_stage.batch_size == rows
+    assert pipe.rollout.rows_per_lease == cfg.rollout.rows_per_lease == 256
