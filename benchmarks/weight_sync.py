@@ -1,7 +1,8 @@
 """Weight sync benchmark: one model's weights from a trainer to a rollout engine, export -> transport -> load.
 
     PYTHONPATH=.:spec python benchmarks/weight_sync.py [--json] [--size 0.5b|100m|10m]
-        [--transports inprocess,shm,dist] [--export fresh,arena,direct] [--repeats 2] [--warmup 2] [--bucket-mb 64]
+        [--transports inprocess,shm,dist] [--export fresh,arena,direct] [--load view,copy] [--repeats 2]
+        [--warmup 2] [--bucket-mb 64]
 
 The model is a Hugging Face ``Qwen2ForCausalLM`` with random fp32 weights
 built on CPU (``--size 0.5b`` is the Qwen2.5-0.5B shape: 494M parameters,
@@ -31,8 +32,19 @@ sync is what a trainer at world 1 and the torch rollout engine do:
 - **transfer**: ``transport.send`` until the engine side holds every bucket
   verified (``receive`` recomputes the digests);
 - **load**: ``collect_update`` (the contract's checks, digests included)
-  and the copy into the engine model's existing tensors, as the torch
-  rollout engine's ``update_weights`` does.
+  and the load into the engine model's tensors with the torch rollout
+  engine's own loader (``WeightLoader``): ``--load view`` (the default, the
+  engine's default) makes each model tensor a view of the received bucket
+  (no copy; the engine holds that version until the next), ``--load copy``
+  copies into the model's own tensors (the code before). ``--load
+  copy,view`` measures both, one after the other, in one invocation.
+
+Memory: each row reports the resident set of the process holding the
+engine after the last sync, split into private (``anon``) and shared-memory
+(``shmem``: mapped ``/dev/shm`` pages) GB, and its peak (``VmHWM``, reset
+before each row where Linux allows). For ``inprocess`` that process holds
+the trainer model and the export arena too; for ``shm`` and ``dist`` it is
+the spawned engine alone.
 
 ``digest`` is the part of those three spent computing digests (sender and
 receiver, outermost calls only), so export + transfer + load = total and
@@ -185,20 +197,59 @@ class DigestClock:
 # ------------------------------------------------------------------ the engine side
 
 
-async def load_into(params: dict[str, torch.Tensor], version: int, buckets: list) -> None:
-    """What the torch rollout engine's ``update_weights`` does: check the whole update, then copy in place."""
+def make_loader(params: dict[str, torch.Tensor], load: str):
+    """The torch rollout engine's loader over ``params`` (``load``: view or copy, its ``weight_load``)."""
+    from asyncflow_core.types import weights
+
+    loader_cls = getattr(weights, "WeightLoader", None)
+    if loader_cls is None:  # a tree from before the loader: the engine copied with copy_tensors
+        return params
+    return loader_cls(params, views=load == "view")
+
+
+async def load_into(loader, version: int, buckets: list) -> None:
+    """What the torch rollout engine's ``update_weights`` does: check the whole update, then load it."""
     from asyncflow_core.types import ModelTensors, collect_update
 
+    params = loader if isinstance(loader, dict) else loader.named
     checked = await collect_update(version, _aiter(buckets), model=ModelTensors.of(params))
-    pairs = [(params[name], tensor) for bucket in checked for name, tensor in bucket.tensors()]
-    if LOAD_WITH_COPY_:  # the engine's load before it copied in spans (--load copy_)
+    pairs = [(name, tensor) for bucket in checked for name, tensor in bucket.tensors()]
+    if LOAD_WITH_COPY_:  # the engine's load before it copied in spans (--export arena)
         with torch.no_grad():
-            for dst, src in pairs:
-                dst.copy_(src)
-    else:
+            for name, src in pairs:
+                params[name].copy_(src)
+    elif isinstance(loader, dict):
         from asyncflow_core.types.weights import copy_tensors
 
-        await asyncio.to_thread(copy_tensors, pairs)  # as the torch engine's update_weights does
+        await asyncio.to_thread(copy_tensors, [(params[name], src) for name, src in pairs])
+    else:
+        await asyncio.to_thread(loader.load, pairs)  # as the torch engine's update_weights does
+
+
+def memory() -> dict[str, float]:
+    """This process's resident set now (GB: all, private, shared memory) and its peak since the last reset."""
+    fields = {"VmRSS": "rss_gb", "RssAnon": "anon_gb", "RssShmem": "shmem_gb", "VmHWM": "peak_rss_gb"}
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in fields:
+                    out[fields[key]] = int(value.split()[0]) * 1024 / 1e9
+    except OSError:
+        import resource
+
+        out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return out
+
+
+def reset_peak() -> None:
+    """Restart the peak resident set (``VmHWM``) from the current one (Linux >= 4.0); a no-op elsewhere."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _before_direct(on: bool) -> None:
@@ -214,7 +265,8 @@ def _before_direct(on: bool) -> None:
     LOAD_WITH_COPY_ = on
 
 
-def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], conn, before: bool = False) -> None:
+def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], conn, before: bool = False,
+            load: str = "view") -> None:
     """Spawned engine: receive each version (verified in ``receive``), load it, report times."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _before_direct(before)
@@ -223,7 +275,8 @@ def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], 
     clock = DigestClock()
     clock.install()
     model = build_model(size, seed=None)
-    params = dict(model.state_dict(keep_vars=True))
+    loader = make_loader(dict(model.state_dict(keep_vars=True)), load)
+    reset_peak()
 
     async def main() -> None:
         t = get_plugin_manager().create("weight_transport", kind, options)
@@ -234,11 +287,12 @@ def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], 
                 got = [b async for b in t.receive(min_version=v, deadline_s=DEADLINE_S)]
                 received = time.monotonic()
                 recv_digest = clock.take()
-                await load_into(params, v, got)
+                await load_into(loader, v, got)
                 loaded = time.monotonic()
-                conn.send({"version": got[0].version, "received": received, "loaded": loaded,
-                           "digest_s": recv_digest + clock.take()})
-                del got
+                got_version = got[0].version
+                del got  # the engine's own reference (with view loads the model still holds the version)
+                conn.send({"version": got_version, "received": received, "loaded": loaded,
+                           "digest_s": recv_digest + clock.take(), "memory": memory()})
             conn.recv()
         finally:
             await t.close()
@@ -250,7 +304,8 @@ def _engine(kind: str, options: dict[str, Any], size: str, versions: list[int], 
 
 
 async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: torch.nn.Module,
-                   clock: DigestClock, *, export: str = "arena", warmup: int = 2) -> list[dict[str, float]]:
+                   clock: DigestClock, *, export: str = "arena", warmup: int = 2,
+                   load: str = "view") -> list[dict[str, float]]:
     from asyncflow_core.plugins import get_plugin_manager
     from asyncflow_core.types import pack_buckets
     from asyncflow_core.types.weights import ExportArena
@@ -264,13 +319,15 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
     params = None
     if kind == "inprocess":
         params = dict(build_model(size, seed=None).state_dict(keep_vars=True))
+        loader = make_loader(params, load)
+        reset_peak()
     else:
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         options = _options(kind, rank=1, port=port, name=name, disk_dir="")
         if kind == "shm":
             options["reuse_buffers"] = arena is not None
-        proc = ctx.Process(target=_engine, args=(kind, options, size, versions, child, export != "direct"))
+        proc = ctx.Process(target=_engine, args=(kind, options, size, versions, child, export != "direct", load))
         proc.start()
     sender_options = _options(kind, rank=0, port=port, name=name, disk_dir="")
     if kind == "inprocess" and export != "direct":
@@ -296,18 +353,20 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
             if conn is None:
                 got = [b async for b in sender.receive(min_version=version, deadline_s=DEADLINE_S)]
                 received = time.monotonic()
-                await load_into(params, version, got)
+                await load_into(loader, version, got)
                 loaded = time.monotonic()
                 digest += clock.take()
                 del got
+                mem = memory()
             else:
                 reply = await asyncio.to_thread(conn.recv)
                 assert reply["version"] == version, (reply, version)
                 received, loaded = reply["received"], reply["loaded"]
                 digest += clock.take() + reply["digest_s"]
+                mem = reply.get("memory", {})
             del buckets
             rows.append({"export_s": exported - start, "transfer_s": received - exported, "load_s": loaded - received,
-                         "digest_s": digest, "total_s": loaded - start})
+                         "digest_s": digest, "total_s": loaded - start, "memory": mem})
         if conn is not None:
             conn.send("close")
     finally:
@@ -322,6 +381,8 @@ async def _measure(kind: str, size: str, repeats: int, bucket_mb: int, trainer: 
         assert torch.equal(params[name0], check[name0]), "the engine's weights differ from the trainer's"
     if arena is not None and rows:
         rows[-1]["arena"] = arena.stats()
+    if rows and params is not None and not isinstance(loader, dict):
+        rows[-1]["loader"] = loader.stats()
     if rows and hasattr(sender, "stats"):
         rows[-1]["sender"] = sender.stats()
     return rows[warmup:]
@@ -339,7 +400,7 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float:
 
 
 def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int, *,
-              exports: tuple[str, ...] = ("arena",), warmup: int = 2) -> dict:
+              exports: tuple[str, ...] = ("arena",), warmup: int = 2, loads: tuple[str, ...] = ("view",)) -> dict:
     clock = DigestClock()
     clock.install()
     trainer = build_model(size, seed=1)
@@ -348,14 +409,17 @@ def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int, *,
     rows = [{"transport": "memcpy", "seconds": memcpy, "gb_per_s": nbytes / memcpy / 1e9}]
     for kind in transports:
         for export in exports:
-            measured = asyncio.run(_measure(kind, size, repeats, bucket_mb, trainer, clock, export=export,
-                                            warmup=warmup))
-            row = _median_row(f"{kind}/{export}", measured, nbytes)
-            for key in ("arena", "sender"):
-                if key in measured[-1]:
-                    row[key] = measured[-1][key]
-            row["memcpy_ratio"] = row["total_s"] / memcpy
-            rows.append(row)
+            for load in loads:
+                measured = asyncio.run(_measure(kind, size, repeats, bucket_mb, trainer, clock, export=export,
+                                                warmup=warmup, load=load))
+                label = f"{kind}/{export}" + (f"/{load}" if len(loads) > 1 else "")
+                row = _median_row(label, measured, nbytes)
+                for key in ("arena", "sender", "loader", "memory"):
+                    if key in measured[-1]:
+                        row[key] = measured[-1][key]
+                row["load"] = load
+                row["memcpy_ratio"] = row["total_s"] / memcpy
+                rows.append(row)
     return {
         "benchmark": "weight_sync",
         "size": size,
@@ -363,10 +427,18 @@ def run_bench(transports: list[str], size: str, repeats: int, bucket_mb: int, *,
         "repeats": repeats,
         "warmup": warmup,
         "bucket_mb": bucket_mb,
+        "loadavg": _loadavg(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "omp_threads": torch.get_num_threads(), "platform": platform.platform()},
         "results": rows,
     }
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+    except OSError:
+        return None
 
 
 def run_lora_bench(size: str, rank: int, modes: list[str], repeats: int, bucket_mb: int) -> dict:
@@ -447,15 +519,18 @@ def print_table(report: dict) -> None:
     what = "adapter" if report["benchmark"] == "weight_sync_lora" else "fp32"
     print(f"weight sync: Qwen2 {report['size']} shape, {report['bytes'] / 1e9:.3f} GB {what}, buckets of "
           f"{report['bucket_mb']} MiB, median of {report['repeats']}; {m['cpus']} CPUs, torch {m['torch']}")
-    print(f"{'transport':<16} {'export':>7} {'digest':>7} {'transfer':>9} {'load':>7} {'total s':>8} {'GB/s':>6} "
-          f"{'x memcpy':>8}")
+    print(f"{'transport':<22} {'export':>7} {'digest':>7} {'transfer':>9} {'load':>7} {'total s':>8} {'GB/s':>6} "
+          f"{'x memcpy':>8} {'engine RSS GB (anon+shmem), peak':>34}")
     for r in report["results"]:
         if r["transport"] == "memcpy":
-            print(f"{'memcpy':<16} {'':>7} {'':>7} {'':>9} {'':>7} {r['seconds']:>8.3f} {r['gb_per_s']:>6.2f}")
+            print(f"{'memcpy':<22} {'':>7} {'':>7} {'':>9} {'':>7} {r['seconds']:>8.3f} {r['gb_per_s']:>6.2f}")
             continue
         ratio = f"{r['memcpy_ratio']:>8.1f}" if "memcpy_ratio" in r else ""
-        print(f"{r['transport']:<16} {r['export_s']:>7.3f} {r['digest_s']:>7.3f} {r['transfer_s']:>9.3f} "
-              f"{r['load_s']:>7.3f} {r['total_s']:>8.3f} {r['gb_per_s']:>6.2f} {ratio}")
+        mem = r.get("memory") or {}
+        rss = (f"{mem.get('anon_gb', 0):.2f}+{mem.get('shmem_gb', 0):.2f}, {mem.get('peak_rss_gb', 0):.2f}"
+               if mem else "")
+        print(f"{r['transport']:<22} {r['export_s']:>7.3f} {r['digest_s']:>7.3f} {r['transfer_s']:>9.3f} "
+              f"{r['load_s']:>7.3f} {r['total_s']:>8.3f} {r['gb_per_s']:>6.2f} {ratio} {rss:>34}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,6 +544,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Export buffers: direct (as the code is), arena (before direct), fresh (before the "
                              "arena), or several: arena,direct.")
     parser.add_argument("--warmup", type=int, default=2, help="Unmeasured syncs before the measured ones.")
+    parser.add_argument("--load", default="view",
+                        help="How the engine loads: view (its default: model tensors become views of the buckets), "
+                             "copy (into the model's own tensors), or both: copy,view.")
     parser.add_argument("--lora", type=int, default=None, metavar="RANK",
                         help="Measure an adapter-only sync of a LoRA adapter of this rank (inprocess, torch engine).")
     parser.add_argument("--lora-modes", default="merged,live", help="With --lora: the torch engine's lora_mode(s).")
@@ -484,13 +562,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--export takes fresh, arena, direct or several of them (arena,direct), got {args.export!r}")
     if args.warmup < 0:
         parser.error("--warmup must be at least 0")
+    loads = tuple(x for x in args.load.split(",") if x)
+    if not loads or set(loads) - {"view", "copy"}:
+        parser.error(f"--load takes view, copy or both (copy,view), got {args.load!r}")
     if args.lora is not None:
         modes = [m for m in args.lora_modes.split(",") if m]
         if args.lora < 1 or set(modes) - {"merged", "live"} or not modes:
             parser.error("--lora takes a rank >= 1 and --lora-modes a list of merged, live")
         report = run_lora_bench(args.size, args.lora, modes, args.repeats, args.bucket_mb)
     else:
-        report = run_bench(transports, args.size, args.repeats, args.bucket_mb, exports=exports, warmup=args.warmup)
+        report = run_bench(transports, args.size, args.repeats, args.bucket_mb, exports=exports, warmup=args.warmup,
+                           loads=loads)
     return emit(report, args.json, print_table)
 
 

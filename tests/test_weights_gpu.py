@@ -88,3 +88,72 @@ def test_a_rank_ships_cuda_tensors_into_kept_host_segments():
                 assert torch.equal(from_shared_memory(d["shm"], d["nbytes"], kept=d["kept"]), b.buffer)
     finally:
         worker.close()
+
+
+@pytest.mark.gpu
+def test_a_cuda_model_copies_host_buckets_and_views_cuda_ones():
+    """Loading by view needs the same device: host buckets are copied into a CUDA model (a view would move the
+    model's tensor to the host, as ``tensor.data = host`` allows), CUDA buckets are viewed."""
+    from asyncflow_core.types.weights import WeightLoader
+
+    model = {n: torch.nn.Parameter(torch.zeros_like(t, device="cuda"), requires_grad=False) for n, t in _items("cpu")}
+    own = {n: t.data_ptr() for n, t in model.items()}
+    loader = WeightLoader(model)
+    host = list(pack_buckets(_items("cpu"), version=1, bucket_bytes=8 << 20))
+    loader.load([(n, t) for b in host for n, t in b.tensors()])
+    torch.cuda.synchronize()
+    assert all(t.is_cuda for t in model.values()) and loader.viewing == 0
+    assert {n: t.data_ptr() for n, t in model.items()} == own
+    assert all(torch.equal(model[n].cpu(), t) for n, t in _items("cpu"))
+    dev = list(pack_buckets(_items("cuda"), version=2, bucket_bytes=8 << 20))
+    loader.load([(n, t) for b in dev for n, t in b.tensors()])
+    spans = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.nbytes) for b in dev]
+    assert loader.viewing == len(model)
+    assert all(t.is_cuda and any(a <= t.data_ptr() < z for a, z in spans) for t in model.values())
+    host = list(pack_buckets(_items("cpu"), version=3, bucket_bytes=8 << 20))
+    loader.load([(n, t) for b in host for n, t in b.tensors()])  # viewing, fed host bytes: fresh CUDA memory
+    torch.cuda.synchronize()
+    assert loader.viewing == 0 and all(t.is_cuda for t in model.values())
+    assert not any(any(a <= t.data_ptr() < z for a, z in spans) for t in model.values())
+
+
+@pytest.mark.gpu
+def test_the_torch_engine_on_cuda_loads_host_and_cuda_updates_and_samples():
+    from asyncflow_core.config.models import ModelConfig
+    from asyncflow_core.plugins import get_plugin_manager
+    from asyncflow_core.types import GenerationRequest, SamplingParams
+    from asyncflow_plugins.hf.model import build_causal_lm
+
+    hf = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 48,
+          "max_position_embeddings": 64, "tie_word_embeddings": True}
+
+    async def feed(xs):
+        for x in xs:
+            yield x
+
+    def export(seed: int, device: str):
+        net = build_causal_lm(ModelConfig(hf_config=hf), seed=seed).to(device)
+        seen, items = set(), []
+        for name, t in net.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                items.append((name, t.detach()))
+        return list(pack_buckets(items, version=seed, bucket_bytes=4096))
+
+    async def main() -> None:
+        engine = get_plugin_manager().create("rollout_engine", "torch", {"model": {"hf_config": hf},
+                                                                         "device": "cuda", "eos_token_ids": []})
+        await engine.start()
+        try:
+            for version, device in ((1, "cpu"), (2, "cuda"), (3, "cpu")):
+                await engine.update_weights(version, feed(export(version, device)))
+                assert all(t.is_cuda for t in engine._params.values()), f"version {version} from {device}"
+                assert engine._net.lm_head.weight is engine._net.model.embed_tokens.weight
+                (res,) = [r async for r in engine.generate([GenerationRequest(
+                    f"r{version}", (1, 2, 3), SamplingParams(max_new_tokens=4))])]
+                assert set(res.versions) == {version} and len(res.token_ids) == 4
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

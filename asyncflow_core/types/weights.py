@@ -253,6 +253,131 @@ def copy_tensors(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     list(digest_pool().map(lambda job: np.copyto(*job), jobs))
 
 
+class LoadInterrupted(WeightTransferError):
+    """A load failed after it began to change the model: the model holds a mix of two versions."""
+
+
+def _viewable(target: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``target`` can take ``src``'s memory as it is: a plain dense tensor of the same device, dtype and
+    shape, ``src`` contiguous (as a bucket's tensors are)."""
+    return (type(target) in (torch.Tensor, torch.nn.Parameter) and type(src) is torch.Tensor
+            and target.layout == torch.strided and src.layout == torch.strided and target.numel() > 0
+            and target.device == src.device and target.dtype == src.dtype and target.shape == src.shape
+            and src.is_contiguous() and not target.is_quantized)
+
+
+class WeightLoader:
+    """Loads weight versions into a model's named tensors, by view where it may: no copy.
+
+    ``named`` are the model's tensors by name (``state_dict(keep_vars=True)``:
+    the parameter and buffer objects themselves; names of one object are
+    tied). :meth:`load` takes each received ``(name, tensor)`` (views of the
+    verified buckets) and, with ``views`` on, makes the model's tensor *a
+    view of the received one* (``tensor.data = received``: the model reads
+    the bucket's bytes, nothing is copied) when both are plain dense tensors
+    of the same device, dtype and shape. The model then holds the version's
+    buffers, and with them the version: an ``ExportArena`` slot is not
+    reused, a ``shm`` slot stays locked, until the next load rebinds the
+    tensors and the old buffers' last user goes. Other tensors are copied:
+
+    - into the tensor's own memory (``copy_tensors``) when it never took a
+      view, e.g. a CUDA model fed host buckets;
+    - into fresh memory the tensor then takes, when it holds a received
+      buffer but the new source cannot be viewed: a received buffer is
+      never written.
+
+    A tensor is rebound the first time only when nothing but the model's
+    named tensors uses its memory (the storage's use count) and no other
+    named tensor overlaps it; a model that keeps another alias of a
+    weight (a cached transpose, a packed copy) is copied into instead, so
+    the alias sees the new bytes. Tied names share one object, so the tie
+    holds. The model must not write its tensors in place while they view
+    a bucket (the engines do not): an in-process sender's buffers and a
+    ``shm`` receiver's private mapping would take the write.
+
+    A load makes every decision, and fills any fresh memory, before it
+    changes the model; a failure after that point (a copy that raises) is
+    :class:`LoadInterrupted`. Rebinding itself cannot fail half way.
+    """
+
+    def __init__(self, named: Mapping[str, torch.Tensor], *, views: bool = True) -> None:
+        self.named = dict(named)
+        self.views = views and _storage_users(torch.empty(0)) is not None
+        self._viewing: set[int] = set()  #: ids of the tensors whose memory is a received buffer
+        self._stats = {"loads": 0, "viewed_bytes": 0, "copied_bytes": 0}
+
+    def load(self, received: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Put ``received`` (names of ``named``, checked by the caller) into the model; see the class docstring."""
+        chosen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, src in received:
+            target = self.named[name]
+            chosen[id(target)] = (target, src.detach())  # a tied group sent under two names: the last one wins
+        own = self._exclusive() if self.views else set()
+        rebind: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copy: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fill: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, (target, src) in chosen.items():
+            if self.views and _viewable(target, src) and (key in self._viewing or key in own):
+                rebind.append((target, src))
+            elif key in self._viewing:  # never write a received buffer: fresh memory for this one
+                fresh = torch.empty(target.shape, dtype=target.dtype, device=target.device)
+                fill.append((fresh, src))
+                rebind.append((target, fresh))
+            else:
+                copy.append((target, src))
+        copy_tensors(fill)  # nothing of the model has changed yet: a failure here leaves it as it was
+        try:
+            copy_tensors(copy)
+        except BaseException as exc:
+            raise LoadInterrupted(f"loading weights failed half way ({type(exc).__name__}: {exc}); the model "
+                                  "holds a mix of two versions") from exc
+        fresh_ids = {id(f) for f, _ in fill}
+        with torch.no_grad():
+            for target, src in rebind:
+                target.data = src  # swaps the tensor's memory; the model's modules hold this very object
+                if id(src) in fresh_ids:
+                    self._viewing.discard(id(target))
+                else:
+                    self._viewing.add(id(target))
+        nbytes = lambda pairs: sum(t.numel() * t.element_size() for t, _ in pairs)  # noqa: E731
+        self._stats["loads"] += 1
+        self._stats["viewed_bytes"] += nbytes(rebind) - nbytes(fill)
+        self._stats["copied_bytes"] += nbytes(copy) + nbytes(fill)
+
+    def _exclusive(self) -> set[int]:
+        """Ids of the named tensors that may take a view the first time: no user of their memory but named tensors,
+        and no named tensor overlapping another."""
+        extra = _storage_users(torch.empty(1)) - 1  # what the count itself adds
+        groups: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        for t in self.named.values():
+            if id(t) in self._viewing or t.numel() == 0 or type(t) not in (torch.Tensor, torch.nn.Parameter):
+                continue
+            try:
+                key = (str(t.device), t.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError):
+                continue
+            groups.setdefault(key, {})[id(t)] = t
+        out: set[int] = set()
+        for members in groups.values():
+            first = next(iter(members.values()))
+            if _storage_users(first) != len(members) + extra:
+                continue  # an alias outside the named tensors: copy, so it sees the new bytes
+            spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), t.is_contiguous())
+                           for t in members.values())
+            if all(c for _, _, c in spans) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])):
+                out.update(members)
+        return out
+
+    @property
+    def viewing(self) -> int:
+        """How many of the model's tensors are views of received buffers now."""
+        return len(self._viewing)
+
+    def stats(self) -> dict[str, int]:
+        """Loads done, bytes taken as views (not copied) and bytes copied, over all loads."""
+        return dict(self._stats)
+
+
 def _pack_and_digest(buffer: torch.Tensor, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor]) -> str | None:
     """Copy ``tensors`` into a CPU ``buffer`` at their offsets, zero the padding, and digest it, span by span.
 

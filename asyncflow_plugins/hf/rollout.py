@@ -29,7 +29,10 @@ engine object, on the CPU or one CUDA device. What it does, step by step:
 - **Weights** arrive as :class:`~asyncflow_core.types.WeightBucket` s whose
   tensor names are the model's ``state_dict`` keys. All buckets are received
   and checked (checksum, version, name, shape, dtype, full coverage) before
-  the first parameter is touched; then they are ``copy_``-ed in place.
+  the first parameter is touched; then each model tensor becomes a view of
+  its received tensor (``weight_load="view"``, where device, dtype and shape
+  match: no copy, :class:`~asyncflow_core.types.weights.WeightLoader`) or is
+  copied into.
 - **LoRA adapters** (:meth:`TorchRolloutEngine.configure_adapter`, then
   adapter-only updates under peft's state-dict names): ``lora_mode="merged"``
   (default) keeps a copy of every targeted base weight ``W0`` and sets
@@ -81,7 +84,7 @@ from asyncflow_core.types import (
 )
 from asyncflow_core.types.generation import with_version_range
 from asyncflow_core.types.sampling import sampling_logprobs
-from asyncflow_core.types.weights import copy_tensors, dtype_from_name
+from asyncflow_core.types.weights import LoadInterrupted, WeightLoader, dtype_from_name
 
 if TYPE_CHECKING:
     from asyncflow_core.types.adapter import LoraSpec
@@ -136,6 +139,12 @@ class TorchRolloutConfig(BaseModel):
         None,
         ge=1,
         description="Set torch's CPU intra-op threads at start (process-wide); unset leaves torch's default.",
+    )
+    weight_load: Literal["view", "copy"] = Field(
+        "view",
+        description="How a full weight update is loaded: view makes each model tensor a view of the received "
+        "bucket where device, dtype and shape match (no copy; the engine then holds that version's buffers "
+        "until the next update), copy copies into the model's own tensors. Adapter updates always copy.",
     )
 
     def accepts_weights(self, model: ModelConfig, weights: Mapping[str, Sequence[int]]) -> None:
@@ -223,6 +232,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._shut = False
         self._lora: LoraSpec | None = None
         self._adapter: _Adapter | None = None
+        self._loader: WeightLoader | None = None
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -260,6 +270,7 @@ class TorchRolloutEngine(RolloutEngine):
         # 4.x knows only ``past_key_values``
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._params = dict(net.state_dict(keep_vars=True))
+        self._loader = WeightLoader(self._params, views=self.config.weight_load == "view")
         self._gen = torch.Generator(device=self.device).manual_seed(self.config.seed)
         if self._lora is not None:
             self._adapter = await asyncio.to_thread(_Adapter.build, net, self._params, self._lora,
@@ -323,6 +334,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._batch = None
         self._net = None
         self._params = {}
+        self._loader = None  # with its views: a version's buffers (an arena slot, a shm mapping and its lock) go
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -495,10 +507,14 @@ class TorchRolloutEngine(RolloutEngine):
     async def _install(self, version: int, received: dict[str, torch.Tensor], kv_cache: KVCachePolicy) -> None:
         self._work.set()  # a worker decoding on (_steps) hands the batch back at its next step boundary
         async with self._lock:
-            if self._adapter is None:
-                await asyncio.to_thread(self._copy_weights, received)
-            else:
-                await asyncio.to_thread(self._adapter.apply, received)
+            try:
+                if self._adapter is None:
+                    await asyncio.to_thread(self._copy_weights, received)
+                else:
+                    await asyncio.to_thread(self._adapter.apply, received)
+            except LoadInterrupted as exc:  # the model is half old, half new: serve nothing more from it
+                self._fail(EngineError(f"weight version {version}: {exc}; restart the engine"))
+                raise
             self._version = version
             if kv_cache is KVCachePolicy.RECOMPUTE and self._batch is not None:
                 # held sequences re-prefill their whole context with the new weights before the next token
@@ -508,9 +524,11 @@ class TorchRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _copy_weights(self, received: dict[str, torch.Tensor]) -> None:
-        # straight from the buckets (the tensors are views of them), in 8 MiB spans on the digest threads: one
-        # large copy_ split over torch's intra-op threads stalls when a core is busy (docs/performance.md)
-        copy_tensors([(self._params[name], tensor) for name, tensor in received.items()])
+        # the received tensors are views of the verified buckets: the model takes them as its tensors (views: the
+        # engine then holds this version's buffers, which their sender does not rewrite while held), or they are
+        # copied in 8 MiB spans on the digest threads (copy_tensors; docs/performance.md, "Weight sync")
+        assert self._loader is not None
+        self._loader.load(received.items())
 
     # -- the scheduler ---------------------------------------------------------
 

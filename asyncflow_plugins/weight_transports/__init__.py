@@ -46,7 +46,7 @@ def registrations() -> list[WeightTransportBackend]:
             name="shm",
             factory=_make_shm,
             config_model=ShmTransportConfig,
-            description="Local processes: a version staged in double-buffered shared memory, copied out and verified.",
+            description="Local processes: a version staged in double-buffered shared memory, mapped and verified.",
             features=TransportFeatures(cross_process=True, cross_host=False, devices=("cpu",)),
         ),
         WeightTransportBackend(
