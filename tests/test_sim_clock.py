@@ -184,3 +184,69 @@ def test_full_collections_are_rarer_inside_a_virtual_run_and_the_rate_comes_back
     with pytest.raises(ZeroDivisionError):
         run_virtual(boom())
     assert gc.get_threshold() == before  # restored when the run raises, too
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=60))
+def test_timers_with_shared_deadlines_fire_in_scheduling_order_around_cancellations(plan):
+    # few distinct deadlines, so most timers tie: the heap's comparison must fall back to the scheduling order
+    async def body():
+        loop = asyncio.get_running_loop()
+        fired, handles = [], []
+        for i, (d, cancel) in enumerate(plan):
+            handles.append((loop.call_later(float(d), fired.append, i), cancel))
+        for h, cancel in handles:
+            if cancel:
+                h.cancel()
+        await asyncio.sleep(4.0)
+        return fired
+
+    kept = [i for i, (_, cancel) in enumerate(plan) if not cancel]
+    assert run_virtual(body()) == sorted(kept, key=lambda i: (plan[i][0], i))
+
+
+def test_a_registered_socket_is_read_while_callbacks_keep_the_loop_busy():
+    # the self-pipe alone is polled now and then; a real file object must be polled on every iteration
+    import socket
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        got: list[int] = []
+        spins = 0
+
+        def on_readable() -> None:
+            got.append(spins)
+            a.recv(16)
+
+        loop.add_reader(a.fileno(), on_readable)
+        try:
+            b.send(b"x")
+            while not got and spins < 10_000:  # ready callbacks every iteration: the clock never moves
+                spins += 1
+                await asyncio.sleep(0)
+        finally:
+            loop.remove_reader(a.fileno())
+            a.close()
+            b.close()
+        return got
+
+    got = run_virtual(body())
+    assert got and got[0] <= 2  # handled on the next iteration or so, not after dozens of skipped polls
+
+
+def test_a_thread_callback_runs_while_callbacks_keep_the_loop_busy():
+    # call_soon_threadsafe queues its callback directly: skipping self-pipe polls must not delay it
+    async def body():
+        loop = asyncio.get_running_loop()
+        seen = threading.Event()
+        done: list[int] = []
+        spins = 0
+        threading.Thread(target=lambda: (loop.call_soon_threadsafe(done.append, 1), seen.set())).start()
+        while not done and spins < 1_000_000:
+            spins += 1
+            await asyncio.sleep(0)
+        return done, seen.wait(5)
+
+    assert run_virtual(body()) == ([1], True)

@@ -11,7 +11,12 @@ run on simulated engines without knowing.
 Real work is still real:
 
 - Sockets and pipes are polled with a zero timeout at every iteration, so
-  ready I/O is handled and never blocks the simulation.
+  ready I/O is handled and never blocks the simulation. While the loop's own
+  self-pipe is all that is registered (a simulated run), an iteration with
+  callbacks ready polls it only every ``SELF_PIPE_POLL_EVERY``-th time: it
+  carries no work of its own (a cross-thread ``call_soon_threadsafe`` puts
+  its callback on the ready queue directly), and it is always polled before
+  the clock moves.
 - Work in threads (``asyncio.to_thread``, ``loop.run_in_executor``, and
   anything wrapped in :meth:`VirtualClockLoop.hold_clock`) *freezes* the
   clock: while it is pending the loop waits, in real time, for it to finish,
@@ -49,19 +54,29 @@ class VirtualClockStall(RuntimeError):
     """Real (thread) work kept the virtual clock frozen for longer than ``stall_timeout_s``."""
 
 
+#: with only the loop's self-pipe registered, a zero-timeout select (callbacks ready) polls it once in this many
+SELF_PIPE_POLL_EVERY = 64
+
+
 class _VirtualSelector(selectors.BaseSelector):
     """Wraps the real selector; ``select`` decides whether to poll, wait for real work, or jump the clock."""
 
     def __init__(self, real: selectors.BaseSelector) -> None:
         self._real = real
         self._loop: VirtualClockLoop | None = None
+        self._registered = 0  # file objects registered (the loop's self-pipe is the first)
+        self._skipped = 0  # zero-timeout polls skipped since the last real one
 
     # -- plain delegation ------------------------------------------------------
     def register(self, fileobj, events, data=None):  # type: ignore[no-untyped-def]
-        return self._real.register(fileobj, events, data)
+        key = self._real.register(fileobj, events, data)
+        self._registered += 1
+        return key
 
     def unregister(self, fileobj):  # type: ignore[no-untyped-def]
-        return self._real.unregister(fileobj)
+        key = self._real.unregister(fileobj)
+        self._registered -= 1
+        return key
 
     def modify(self, fileobj, events, data=None):  # type: ignore[no-untyped-def]
         return self._real.modify(fileobj, events, data)
@@ -78,8 +93,18 @@ class _VirtualSelector(selectors.BaseSelector):
     # -- the virtual part --------------------------------------------------------
     def select(self, timeout: float | None = None):  # type: ignore[no-untyped-def]
         loop = self._loop
-        if loop is None or timeout == 0:
-            return self._real.select(0 if timeout == 0 else timeout)
+        if timeout == 0:
+            # Callbacks are ready. With nothing but the self-pipe registered there is no I/O to hand over: a
+            # thread's call_soon_threadsafe already queued its callback; the pipe is drained now and then, and
+            # always before the clock moves (below).
+            if loop is not None and self._registered <= 1 and self._skipped < SELF_PIPE_POLL_EVERY:
+                self._skipped += 1
+                return []
+            self._skipped = 0
+            return self._real.select(0)
+        if loop is None:
+            return self._real.select(timeout)
+        self._skipped = 0
         events = self._real.select(0)  # real I/O first, and it never blocks the simulation
         if events:
             return events
@@ -116,9 +141,14 @@ class _FifoTimerHandle(asyncio.TimerHandle):
     __slots__ = ("_seq",)
 
     def __lt__(self, other: object) -> bool:
-        if isinstance(other, _FifoTimerHandle):
-            return (self._when, self._seq) < (other._when, other._seq)
-        return super().__lt__(other)
+        # the loop's heap compares timers millions of times in a large simulation: no tuples, no isinstance
+        try:
+            when, other_when = self._when, other._when  # type: ignore[attr-defined]
+            if when != other_when:
+                return when < other_when
+            return self._seq < other._seq  # type: ignore[attr-defined]
+        except AttributeError:
+            return super().__lt__(other)
 
 
 class VirtualClockLoop(asyncio.SelectorEventLoop):

@@ -237,8 +237,9 @@ class SimRolloutEngine(RolloutEngine):
         # Everything happens on the first iteration, as in an async generator's body.
         return _Generation(self, requests)
 
-    async def _open(self, requests: Sequence[GenerationRequest], queue: _Inbox) -> list[_Seq]:
-        """The first iteration of a generate() call: check the call, wait out a pause, submit the requests."""
+    def _open(self, requests: Sequence[GenerationRequest], queue: _Inbox) -> list[_Seq] | None:
+        """The first iteration of a generate() call: check the call and submit the requests; None when the engine
+        is paused (then :meth:`_open_paused` waits for the resume and submits). No coroutine on the usual path."""
         self._check_started()
         inflight = self._inflight
         if len(requests) == 1:  # the runtime's usual call: one request, no set to build
@@ -254,12 +255,21 @@ class SimRolloutEngine(RolloutEngine):
         if self._asleep:
             raise EngineError("the sim rollout engine is asleep; call wake_up() before generate()")
         assert self._accepting is not None
-        if not self._accepting.is_set():  # paused: wait for resume (no await on the fast path)
-            await self._accepting.wait()
-            self._check_started()
-            dupes = {i for i in ids if i in self._inflight}
-            if dupes:
-                raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
+        if not self._accepting.is_set():  # paused: the caller waits for the resume
+            return None
+        return self._submit_all(requests, queue)
+
+    async def _open_paused(self, requests: Sequence[GenerationRequest], queue: _Inbox) -> list[_Seq]:
+        """:meth:`_open` of a call made while paused: wait for the resume, check again, submit."""
+        assert self._accepting is not None
+        await self._accepting.wait()
+        self._check_started()
+        dupes = {r.request_id for r in requests if r.request_id in self._inflight}
+        if dupes:
+            raise ValueError(f"duplicate request ids in flight: {sorted(dupes)}")
+        return self._submit_all(requests, queue)
+
+    def _submit_all(self, requests: Sequence[GenerationRequest], queue: _Inbox) -> list[_Seq]:
         mine = [self._submit(r, queue) for r in requests]
         if self._could_admit():
             self._poke_scheduler()
@@ -610,9 +620,22 @@ class SimRolloutEngine(RolloutEngine):
             t0 = loop.time()
             stats.events += 1
             host = self._host
-            if host is None:
-                poked = await self._wait_poke(stall + n * step)
-                elapsed = (loop.time() - t0) / self._scale if poked else 0.0
+            if host is None:  # _wait_poke(stall + n * step) inlined: the scheduler's one await per event
+                fut = loop.create_future()
+                self._poke = fut
+                timer = loop.call_at(t0 + (stall + n * step) * self._scale, _resolve, fut)
+                try:
+                    poked = await fut
+                except BaseException:
+                    timer.cancel()
+                    raise
+                finally:
+                    self._poke = None
+                if poked:
+                    timer.cancel()  # (a timer that fired needs no cancel)
+                    elapsed = (loop.time() - t0) / self._scale
+                else:
+                    elapsed = 0.0
             else:  # modelled time is work done, which a busy host slows
                 poked, elapsed = await self._work_poke(host, stall + n * step)
             if not poked:
@@ -780,20 +803,32 @@ class _Generation:
             raise StopAsyncIteration
         if self._mine is None:
             requests, self._requests = self._requests, None
+            assert requests is not None
             try:
-                self._mine = await self._engine._open(requests, self._inbox)
+                mine = self._engine._open(requests, self._inbox)
+                if mine is None:
+                    mine = await self._engine._open_paused(requests, self._inbox)
             except BaseException:
                 self._closed = True
                 raise
-            self._pending = len(self._mine)
+            self._mine = mine
+            self._pending = len(mine)
         if not self._pending:
             self._closed = True
             raise StopAsyncIteration
+        inbox = self._inbox
+        items = inbox._items
         try:
-            item = await self._inbox.get()
+            while not items:  # _Inbox.get() inlined: one coroutine less per result
+                waiter = inbox._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await waiter
+                finally:
+                    inbox._waiter = None
         except BaseException:
             self._leave()
             raise
+        item = items.popleft()
         if isinstance(item, BaseException):
             self._leave()
             raise EngineError(f"the sim rollout scheduler failed: {item!r}") from item
@@ -816,7 +851,7 @@ class _Generation:
 
 class _Inbox:
     """The results of one generate() call: a deque and a waiter (an ``asyncio.Queue`` without its extras,
-    which cost more than the rest of a short call)."""
+    which cost more than the rest of a short call); :meth:`_Generation.__anext__` waits on it."""
 
     __slots__ = ("_items", "_waiter")
 
@@ -829,15 +864,6 @@ class _Inbox:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    async def get(self) -> object:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
 
 
 def _join(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
