@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -204,7 +205,12 @@ def test_expired_lease_returns_on_the_actors_clock():
 
 @ray.remote(num_cpus=0)
 class _Producer:
-    def put(self, store: RayStore, x: torch.Tensor) -> tuple[list[int], list]:
+    def put(self, store: RayStore, x: torch.Tensor, arena: bool) -> tuple[list[int], list]:
+        from asyncflow_core.store.deployments import ray_arena
+
+        if not arena:
+            ray_arena.ARENA_MAX_BYTES = 0  # this process puts through Ray's object store
+
         async def go():
             return (await store.put({"x": x})).row_ids.tolist()
 
@@ -212,9 +218,10 @@ class _Producer:
         return asyncio.run(go()), [probe]
 
 
-def test_rows_outlive_the_process_that_put_them():
+@pytest.mark.parametrize("arena", [False, True], ids=["object-store", "arena"])
+def test_rows_outlive_the_process_that_put_them(arena):
     """A put's object belongs to its producer, and Ray drops it when the producer exits: the storage unit that
-    pinned it at the put serves it to readers from then on."""
+    pinned it at the put serves it to readers from then on. An arena put's file outlives its producer."""
 
     async def go():
         store = RayStore(capacity=64)
@@ -222,7 +229,7 @@ def test_rows_outlive_the_process_that_put_them():
         await store.register_task("train", consumes=["x"])
         x = torch.arange(40 * 8192, dtype=torch.float32).reshape(40, 8192)  # 1.3 MB: by reference, not inline
         producer = _Producer.remote()
-        rows, (probe,) = await producer.put.remote(store, x)
+        rows, (probe,) = await producer.put.remote(store, x, arena)
         ray.kill(producer, no_restart=True)
         for _ in range(600):  # until Ray has dropped the producer's objects (it learns of the exit asynchronously)
             try:
@@ -234,9 +241,137 @@ def test_rows_outlive_the_process_that_put_them():
             pytest.fail("Ray kept the objects of a killed producer for 30 s")
         meta = await store.get_meta("train", ["x"], 40, timeout=10)
         assert meta.row_ids.tolist() == rows
+        located = await store._controller.locate.remote(meta.row_ids.numpy(), ["x"])  # noqa: SLF001
+        (where,) = located["objects"].values()
+        assert isinstance(where, dict) == arena  # an arena range is described by a dict, an object by its ref
+        if arena:
+            await store._controller.unpin_ranges.remote([(where["arena"], where["seq"])])  # noqa: SLF001
         assert torch.equal((await store.get(meta))["x"], x)
         await store.ack(meta)
         assert (await store.stats())["bytes_stored"] == 0
         await store.close()
 
     run(go())
+
+
+# ---------------------------------------------------------------- the same-node arena path
+
+
+def test_arena_batch_keeps_its_values_while_the_producer_recycles_ranges():
+    """A large put goes through the producer's shared-memory arena, a get returns views of it; a batch kept after
+    its ack pins its range, so later puts (which recycle freed ranges) never write under it; once the batch is
+    dropped the range is recycled; a reader on "another node" reads through the storage unit; close removes the
+    files."""
+    from asyncflow_core.store.deployments import ray_arena
+
+    async def go():
+        store = RayStore(capacity=64)
+        await store.register_task("gen", produces=["x"])
+        await store.register_task("train", consumes=["x"])
+
+        async def put_get_ack(value: float, keep: bool):
+            await store.put({"x": torch.full((8, 8192), value)})  # 256 KiB: above the inline size
+            meta = await store.get_meta("train", ["x"], 8, timeout=10)
+            batch = await store.get(meta)
+            await store.ack(meta)
+            return batch if keep else None
+
+        kept = await put_get_ack(1.0, keep=True)
+        assert store._arena is not None and len(store._arena.files) == 1  # noqa: SLF001
+        arena_dir = store._arena.dir  # noqa: SLF001
+        (mapped,) = store._reader._maps.values()  # noqa: SLF001  (this reader's mapping of the producer's file)
+        assert kept["x"].data_ptr() == mapped.bytes.data_ptr() + ray_arena.HEADER  # a view, no copy
+        for v in range(2, 8):
+            await put_get_ack(float(v), keep=False)
+        assert bool((kept["x"] == 1.0).all())  # its range was never recycled while the batch lived
+        used = store._arena.files[0][2].used  # noqa: SLF001
+        del kept
+        for v in range(8, 11):  # the unpin travels with the next calls; the range comes back with a put reply
+            await put_get_ack(float(v), keep=False)
+        assert store._arena.files[0][2].used < used  # noqa: SLF001
+
+        await store.put({"x": torch.full((8, 8192), 11.0)})
+        meta = await store.get_meta("train", ["x"], 8, timeout=10)
+        store._node = "another-node"  # noqa: SLF001  (this handle now reads as if from elsewhere: via the unit)
+        far = await store.get(meta)
+        base, size = mapped.bytes.data_ptr(), mapped.nbytes
+        assert bool((far["x"] == 11.0).all()) and not base <= far["x"].data_ptr() < base + size  # the unit's copy
+        await store.ack(meta)
+        assert (await store.stats())["bytes_stored"] == 0
+        await store.close()
+        assert not os.path.exists(arena_dir)
+
+    run(go())
+
+
+def test_without_a_storage_unit_on_the_node_puts_go_through_rays_object_store():
+    async def go():
+        store = RayStore(capacity=16)
+        store._node = "a-node-without-units"  # noqa: SLF001
+        await store.register_task("gen", produces=["x"])
+        await store.register_task("train", consumes=["x"])
+        x = torch.randn(8, 8192)
+        await store.put({"x": x})
+        assert store._arena is None  # noqa: SLF001
+        meta = await store.get_meta("train", ["x"], 8, timeout=10)
+        assert torch.equal((await store.get(meta))["x"], x)
+        await store.ack(meta)
+        await store.close()
+
+    run(go())
+
+
+def test_arena_ranges_round_trip_and_a_recycled_range_is_detected(tmp_path, monkeypatch):
+    """Writer and reader of one range (bf16 as raw bytes, an empty column); a range rewritten by a later put
+    fails the reader's header check; with no shared-memory directory the arena says so once and takes nothing."""
+    import numpy as np
+
+    from asyncflow_core.store.deployments import ray_arena
+    from asyncflow_core.store.deployments.ray_store import _column_to_wire
+
+    monkeypatch.setattr(ray_arena, "SHM_ROOT", str(tmp_path))
+    monkeypatch.setattr(ray_arena, "ARENA_FILE_MIN_BYTES", 1 << 16)
+    arena, reader = ray_arena.ProducerArena("test", "node", 0, os.getpid()), ray_arena.ArenaReader()
+    h = torch.randn(3, 5).to(torch.bfloat16)
+    ids = RaggedTensor.from_sequences([[1, 2], [], [3]])
+    wire = {"h": _column_to_wire(h), "ids": _column_to_wire(ids), "e": _column_to_wire(torch.zeros(0, 4))}
+    desc = arena.place(wire)
+    arena.fill(desc, wire)
+    got = reader.read(desc)
+    assert torch.equal(got["h"]["v"], h) and got["e"]["v"].shape == (0, 4)
+    assert RaggedTensor(got["ids"]["v"], got["ids"]["o"]).to_list() == [[1, 2], [], [3]]
+    arena.release(desc)
+    again = arena.place(wire)  # the freed range is reused ...
+    assert (again["file"], again["offset"]) == (desc["file"], desc["offset"])
+    arena.fill(again, wire)
+    with pytest.raises(ray_arena.RangeRecycledError):  # ... and a reader of the old put sees it
+        reader.read(desc)
+
+    monkeypatch.setattr(ray_arena, "SHM_ROOT", str(tmp_path / "missing"))
+    none = ray_arena.ProducerArena("test", "node", 0, os.getpid())
+    with pytest.warns(RuntimeWarning, match="no shared-memory arena") as caught:
+        assert none.place(wire) is None and none.place({"x": {"v": (np.ones(1), None, (1,))}}) is None
+    assert len(caught) == 1 and not (tmp_path / "missing").exists()
+
+
+def test_arena_directories_of_a_killed_store_are_swept(tmp_path, monkeypatch):
+    """A store killed outright (no close) leaves its arena directory; the next unit on the host removes it once the
+    unit that named it is gone, and never a live unit's."""
+    import subprocess
+    import sys
+
+    from asyncflow_core.store.deployments import ray_arena
+    from asyncflow_core.store.deployments.ray_store import _column_to_wire
+
+    monkeypatch.setattr(ray_arena, "SHM_ROOT", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    dead_pid = int(gone.stdout)
+    dead = ray_arena.ProducerArena("killed", "node", 0, dead_pid)
+    live = ray_arena.ProducerArena("running", "node", 0, os.getpid())
+    wire = {"x": _column_to_wire(torch.ones(4))}
+    for arena in (dead, live):
+        arena.fill(arena.place(wire), wire)
+    assert os.path.isdir(dead.dir) and os.path.isdir(live.dir)
+    assert ray_arena.sweep_dead_arenas() == [dead.dir]
+    assert not os.path.exists(dead.dir) and os.path.isdir(live.dir)

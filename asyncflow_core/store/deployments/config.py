@@ -61,4 +61,5 @@ class RayStoreConfig(StoreOptions):
     )
     namespace: str | None = Field(None, description="Ray namespace of the named actors.")
     num_storage_units: int = Field(
-        1, ge=1, description="Storage unit actors; they take puts in turn and copy each into Ray's object store.")
+        1, ge=1, description="Storage unit actors; they take puts in turn, keep each put's object mapped, and serve "
+        "arena data of their node to readers on other nodes.")

@@ -10,32 +10,35 @@ Actors:
   data index: for each (row, column), the object of Ray's object store holding
   the value and the row's position in it. It holds references, never bytes.
 - **storage units** (``num_storage_units``, taking puts in turn): plain actors
-  that turn a producer's payload into an object the controller owns, so a row's
-  data outlives the process that put it.
+  that keep a producer's object mapped, so a row's data outlives the process
+  that put it, and serve arena ranges of their node to readers on other nodes.
 
 Data path. Column values travel as numpy arrays (torch tensors viewed, no
-copy), which Ray serialises out of band into its shared-memory object store,
-never through pickle:
+copy), never through pickle:
 
-- put is **one call** to the controller (it used to be three: begin, write,
-  commit). A payload above :data:`INLINE_BYTES` is ``ray.put`` by the producer
-  (**one copy**) and passed by reference; the controller waits for capacity,
-  a storage unit reads the payload zero-copy and returns it as its task result
-  (**one copy**, into an object the controller owns), and only then are the
-  ready bits set: data is always stored before a row can be leased. A small
-  payload travels inside the call and the controller puts it itself.
+- put is **one call** to the controller. A payload above :data:`INLINE_BYTES`
+  is copied (**one warm copy**) into the producer's shared-memory arena when a
+  storage unit runs on the producer's node (:mod:`.ray_arena`: it says why a
+  ``ray.put`` costs several times more, and how ranges are recycled); the
+  controller indexes the range and answers with ranges of that arena it no
+  longer needs. Otherwise it is ``ray.put`` by the producer (**one copy**) and
+  passed by reference; a storage unit maps the object at once and keeps it
+  mapped, so the rows outlive the producer. Either way the ready bits are set
+  only once the data is stored. A small payload travels inside the call and
+  the controller puts it itself.
 - get is **one call** to the controller, which answers with each column's
-  objects and row positions; the client maps the objects zero-copy from the
-  object store (a reader on another node fetches them once) and returns
-  **views** when the rows are one run of one put (the common case), else one
-  gather copy. A batch is read-only memory shared with the store: it keeps its
-  values for as long as it is referenced (the object stays pinned), and must
-  not be written in place (clone first).
+  ranges or objects and row positions (and pins the ranges for this reader);
+  the client maps them zero-copy (a reader on another node gets a range from
+  the unit on its node, an object from Ray, one copy) and returns **views**
+  when the rows are one run of one put (the common case), else one gather
+  copy. A batch is read-only memory shared with the store: it keeps its
+  values for as long as it is referenced (the object or range stays pinned),
+  and must not be written in place (clone first).
 
-A loop of put, get_meta, get and ack is four round trips to the controller
-plus one controller-to-unit call (it was six client round trips). The
-controller drops its references when a row is collected after its last ack, or
-cleared; Ray frees an object once no row and no reader uses it.
+A loop of put, get_meta, get and ack is four round trips to the controller.
+The controller drops its references when a row is collected after its last
+ack, or cleared; Ray frees an object once no row and no reader uses it, and a
+range goes back to its producer once no row and no reader uses it.
 
 Start Ray first: this store never starts a cluster on its own (a cluster is a
 process-wide choice of addresses, resources and namespace). For one host,
@@ -62,8 +65,10 @@ import torch
 from asyncflow_core.errors import ConfigError
 from asyncflow_core.interfaces.features import StoreFeatures
 from asyncflow_core.interfaces.store import BatchMeta, StreamStore
+from asyncflow_core.store.deployments import ray_arena
 from asyncflow_core.store.deployments.core import StoreCore, check_versions, num_tokens_of, rows_of
 from asyncflow_core.store.deployments.features import RAY_FEATURES
+from asyncflow_core.store.deployments.ray_arena import ArenaReader, ProducerArena, RangeRecycledError
 from asyncflow_core.store.errors import (
     ColumnTypeError,
     InvalidRequestError,
@@ -83,6 +88,7 @@ MAX_CONCURRENCY = 10_000  #: concurrent calls (mostly blocked waiters) the contr
 _UNPINS_REMEMBERED = 65536  #: unpins a storage unit remembers, for pins that arrive after them
 _UNPIN_DELAY_S = 0.01  #: how long the controller gathers unpins before it sends them to the units
 _THREAD_PUT_BYTES = 8 << 20  #: larger ray.put copies run off the event loop thread
+_READ_TRIES = 5  #: a get locates rows again when a range was recycled while read (its column rewritten)
 
 # numpy has no bfloat16 / float8: such tensors travel as raw bytes with their torch dtype name
 _NUMPY_DTYPES = {
@@ -395,6 +401,7 @@ class _StorageUnitActor:
         #: keys unpinned before their pin arrived (the pin comes from the producer, the unpin from the
         #: controller: no order between them), so a late pin is not kept
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        ray_arena.sweep_dead_arenas()  # arena directories of stores whose units were killed on this host
 
     def pin(self, key: str, payload: dict[str, Any]) -> bool:
         if key in self._gone:
@@ -419,6 +426,26 @@ class _StorageUnitActor:
     def ping(self) -> bool:
         return True
 
+    def node(self) -> tuple[str, int]:
+        """The Ray node this unit runs on (a producer on it may put through a shared-memory arena), and the
+        unit's pid, which names the store's arena directory there."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    def read_range(self, desc: dict[str, Any], names: list[str] | None = None) -> dict[str, Any]:
+        """An arena range of this node as wire columns, for a reader on another node (one copy)."""
+        if not hasattr(self, "_reader"):
+            self._reader = ArenaReader()
+        try:
+            return ray_arena.read_range(self._reader, desc, names)
+        except RangeRecycledError:
+            return {}  # recycled meanwhile: the reader locates the rows again
+
+    def remove_arenas(self, store_key: str) -> None:
+        """Delete the store's arena files on this node (the store is closing)."""
+        if hasattr(self, "_reader"):
+            self._reader.close()
+        ray_arena.remove_store_dir(store_key, os.getpid())
+
 
 class _ControllerActor:
     """An async actor serving a :class:`StoreCore`; also keeps column schemas and the data index."""
@@ -432,8 +459,19 @@ class _ControllerActor:
         self.schema: dict[str, tuple[bool, str, tuple[int, ...]]] = {}  # name -> (ragged, dtype, trailing)
         self.data = _ObjectIndex(on_drop=self._unpin)
         self._unpins: dict[int, list[str]] = {}  # unit -> keys to unpin, sent after the call that freed them
+        #: producer arena id -> its ranges no row uses any more, returned with that producer's next put
+        self._freed: dict[str, list[tuple[int, int, int]]] = {}
+        self._range_pins: collections.Counter[tuple[str, int]] = collections.Counter()  # (arena, seq) -> readers
+        self._range_dropped: dict[tuple[str, int], dict[str, Any]] = {}  # no row uses them; pinned by readers
 
-    def _unpin(self, obj: int, pin: tuple[int, str] | None) -> None:
+    def _unpin(self, obj: int, pin: Any) -> None:
+        if isinstance(pin, dict):  # an arena range: back to its producer with its next put reply, once unpinned
+            key = (pin["arena"], pin["seq"])
+            if self._range_pins[key] > 0:
+                self._range_dropped[key] = pin
+            else:
+                self._freed.setdefault(pin["arena"], []).append((pin["file"], pin["offset"], pin["nbytes"]))
+            return
         if pin is None:
             return
         if not self._unpins:
@@ -449,6 +487,22 @@ class _ControllerActor:
 
     async def info(self) -> dict[str, Any]:
         return {"units": self.units, "token_columns": self.token_columns}
+
+    def _pin_ranges(self, refs: Any) -> list[tuple[str, int]]:
+        keys = [(d["arena"], d["seq"]) for d in refs if isinstance(d, dict)]
+        self._range_pins.update(keys)
+        return keys
+
+    async def unpin_ranges(self, keys: list[tuple[str, int]]) -> None:
+        """Readers are done with these arena ranges (one call per pin a ``locate`` took)."""
+        for key in keys:
+            key = tuple(key)
+            self._range_pins[key] -= 1
+            if self._range_pins[key] <= 0:
+                del self._range_pins[key]
+                pin = self._range_dropped.pop(key, None)
+                if pin is not None:
+                    self._unpin(0, pin)
 
     def _free_data(self, row_ids: torch.Tensor) -> None:
         self.data.free(row_ids)
@@ -469,12 +523,14 @@ class _ControllerActor:
     async def put(
         self, schema: dict[str, Any], n: int, row_ids: torch.Tensor | None, partition: str, group_ids: Any,
         block: bool, timeout: float | None, payload: tuple[Any, ...], nbytes: int, versions: Any,
-        num_tokens: Any,
-    ) -> np.ndarray:
+        num_tokens: Any, unpins: list[tuple[str, int]] = (),
+    ) -> Any:
         """The whole put: schema check, new row ids (waiting for capacity) or a check that ``row_ids`` are live,
-        the data indexed (``payload``: ``("inline", wire)`` or ``("ref", [reference], unit)``), the ready bits.
-        Row ids, group ids, versions and token counts arrive and leave as numpy arrays."""
+        the data indexed (``payload``: ``("inline", wire)``, ``("ref", [reference], unit)`` or ``("arena",
+        range)``), the ready bits. Row ids, group ids, versions and token counts arrive and leave as numpy arrays;
+        an arena put answers ``(row ids, ranges of that arena no row uses any more)``."""
         row_ids, group_ids, versions, num_tokens = _pt(row_ids), _pt(group_ids), _pt(versions), _pt(num_tokens)
+        await self.unpin_ranges(unpins)  # this handle's readers' finished ranges, carried by the call
         self.core.check_open()
         self._check_schema(schema)
         new = row_ids is None
@@ -489,6 +545,8 @@ class _ControllerActor:
                 self.schema.setdefault(name, tuple(s))
             if payload[0] == "inline":
                 ref, pin = ray.put(payload[1]), None  # small: this actor's own copy
+            elif payload[0] == "arena":  # in the producer's shared-memory arena: indexed by its description
+                ref = pin = payload[1]
             else:  # ("ref", [reference], unit): the producer has that unit pin it meanwhile
                 ref = payload[1][0]
                 pin = (int(payload[2]), ref.hex())
@@ -502,10 +560,15 @@ class _ControllerActor:
         self.data.write(ids, torch.arange(n, dtype=torch.int64), list(schema), obj)
         if ids.numel():
             self.core.mark_ready(ids, list(schema), versions, num_tokens)
+        if payload[0] == "arena":
+            return _np(ids), self._freed.pop(payload[1]["arena"], [])
         return _np(ids)
 
-    async def locate(self, row_ids: np.ndarray, columns: list[str]) -> dict[str, Any]:
-        """Where ``columns`` of ``row_ids`` lie: per column its schema and ``[n, 2]`` locations, and the objects."""
+    async def locate(self, row_ids: np.ndarray, columns: list[str],
+                     unpins: list[tuple[str, int]] = ()) -> dict[str, Any]:
+        """Where ``columns`` of ``row_ids`` lie: per column its schema and ``[n, 2]`` locations, and the objects
+        (arena ranges named are pinned for the reader; ``unpins``: ranges it is done with)."""
+        await self.unpin_ranges(unpins)
         row_ids = _pt(row_ids)
         self.core.check_open()
         for name in columns:
@@ -514,9 +577,11 @@ class _ControllerActor:
 
                 raise UnknownColumnError(f"column {name!r} was never written; written columns: {sorted(self.schema)}")
         located, refs = self.data.locate(row_ids, columns)
+        self._pin_ranges(ref for ref, _ in refs.values())  # the reader unpins them when its batch is gone
         # nested in lists: the references travel, not the values
         return {"schema": {k: self.schema[k] for k in columns}, "loc": {k: _np(v) for k, v in located.items()},
-                "objects": {k: [ref] for k, (ref, _) in refs.items()}, "pins": {k: pin for k, (_, pin) in refs.items()}}
+                "objects": {k: ref if isinstance(ref, dict) else [ref] for k, (ref, _) in refs.items()},
+                "pins": {k: None if isinstance(pin, dict) else pin for k, (_, pin) in refs.items()}}
 
     # -- control calls (StoreCore) -----------------------------------------------
 
@@ -565,11 +630,21 @@ class _ControllerActor:
         for name in self.schema:  # taken at once: rows collected while the objects are read keep them pinned
             ids = live[self.data.where.has(live, name)]
             located[name] = (ids, *self.data.locate(ids, [name])) if ids.numel() else (ids, {}, {})
+        pinned = self._pin_ranges(ref for _, _, refs in located.values() for ref, _ in refs.values())
+        try:
+            cols = await self._read_columns(located)
+        finally:
+            await self.unpin_ranges(pinned)
+        return {"format": 1, "controller": ctl, "storage": {"format": 1, "columns": cols}}
+
+    async def _read_columns(self, located: dict[str, Any]) -> dict[str, Any]:
         cols: dict[str, Any] = {}
         for name, (ids, loc, refs) in located.items():
             ragged, dtype, trailing = self.schema[name]
             if ids.numel():
                 values = {k: await _fetch(ref, pin, self.units) for k, (ref, pin) in refs.items()}
+                if any(not v for v in values.values()):
+                    raise StoreError("an arena range was recycled while the checkpoint read it; take it again")
                 data = _assemble(loc[name], {k: _column_from_wire(v[name]) for k, v in values.items()})
                 # copies: a checkpoint must not pin the objects (nor share memory with the store)
                 data = RaggedTensor(data.values.clone(), data.offsets.clone()) if isinstance(data, RaggedTensor) \
@@ -577,7 +652,7 @@ class _ControllerActor:
             else:
                 data = _empty_column(self.schema[name])
             cols[name] = {"ragged": ragged, "dtype": dtype, "trailing": tuple(trailing), "row_ids": ids, "data": data}
-        return {"format": 1, "controller": ctl, "storage": {"format": 1, "columns": cols}}
+        return cols
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         self.core.check_open()
@@ -611,7 +686,10 @@ class _ControllerActor:
 
 async def _fetch(ref: Any, pin: tuple[int, str] | None, units: list[Any]) -> dict[str, Any]:
     """An object's payload: mapped zero-copy from the object store, or, when its producer exited and took the
-    object with it, from the storage unit that pins it (one copy)."""
+    object with it, from the storage unit that pins it (one copy). An arena range (a dict) is read by the unit on
+    its node (one copy; ``{}`` when it was recycled meanwhile)."""
+    if isinstance(ref, dict):
+        return await units[ref["unit"]].read_range.remote(ref)
     try:
         return await ref
     except ray.exceptions.ObjectLostError:  # OwnerDiedError included
@@ -736,6 +814,14 @@ class RayStore(StreamStore):
 
     def _attach(self, controller: Any, info: dict[str, Any]) -> None:
         self._controller = controller
+        self._store_key: str = controller._actor_id.hex()  # noqa: SLF001  (names the store's arena directory)
+        self._node: str = ray.get_runtime_context().get_node_id()
+        self._arena: ProducerArena | None = None  # made at the first put through it (see _producer_arena)
+        self._arena_checked = False
+        self._reader = ArenaReader()
+        #: arena ranges this handle's readers are done with, sent with its next call (a deque: a batch's last
+        #: reference, and so the append, can go away on any thread)
+        self._unpins: collections.deque[tuple[str, int]] = collections.deque()
         self._units: list[Any] = list(info["units"])
         self._turn = 0  # the storage unit that pins this handle's next put
         self.token_columns: tuple[str, ...] = tuple(info["token_columns"])
@@ -763,7 +849,20 @@ class RayStore(StreamStore):
 
     async def _ctl(self, method: str, *args: Any) -> Any:
         self._check_open()
+        if method in ("put", "locate"):  # they carry this handle's unpins (no call of their own)
+            return await self._await(getattr(self._controller, method).remote(*args, self._take_unpins()))
+        self._send_unpins()
         return await self._await(getattr(self._controller, method).remote(*args))
+
+    def _take_unpins(self) -> list[tuple[str, int]]:
+        keys = []
+        while self._unpins:
+            keys.append(self._unpins.popleft())
+        return keys
+
+    def _send_unpins(self) -> None:
+        if self._unpins:  # fire and forget: nothing waits for a range's recycling
+            self._controller.unpin_ranges.remote(self._take_unpins())
 
     # -- put / get ---------------------------------------------------------------------
 
@@ -825,6 +924,20 @@ class RayStore(StreamStore):
         if nbytes <= INLINE_BYTES:
             ids = await self._ctl("put", *args, ("inline", wire), nbytes, _np(v), _np(tokens))
             return BatchMeta(row_ids=_pt(ids), columns=tuple(cols), group_ids=gids, extra={"partition": partition})
+        arena = await self._producer_arena()
+        desc = arena.place(wire) if arena is not None else None
+        if desc is not None:  # one warm copy into this producer's shared-memory arena, then one controller call
+            if nbytes > _THREAD_PUT_BYTES:
+                await asyncio.to_thread(arena.fill, desc, wire)
+            else:
+                arena.fill(desc, wire)
+            try:
+                ids, freed = await self._ctl("put", *args, ("arena", desc), nbytes, _np(v), _np(tokens))
+            except Exception:  # (not a cancellation: the controller call may still complete then)
+                arena.release(desc)  # not indexed: the range is this producer's again
+                raise
+            arena.free(freed)
+            return BatchMeta(row_ids=_pt(ids), columns=tuple(cols), group_ids=gids, extra={"partition": partition})
         # one copy into the object store; then, at once, the controller call (rows, index, ready bits) and a storage
         # unit's pin (it maps the object so the rows outlive this process); the put returns when both are done
         ref = await asyncio.to_thread(ray.put, wire) if nbytes > _THREAD_PUT_BYTES else ray.put(wire)
@@ -842,26 +955,64 @@ class RayStore(StreamStore):
         return BatchMeta(row_ids=_pt(ids), columns=tuple(cols), group_ids=gids, extra={"partition": partition})
 
     async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
-        """The rows' columns as read-only views of the objects holding them (see the module docstring)."""
+        """The rows' columns: read-only views of Ray objects, or own copies of arena ranges (module docstring)."""
         self._check_open()
         names = list(meta.columns if columns is None else columns)
         ids = torch.as_tensor(meta.row_ids, dtype=torch.int64).reshape(-1)
-        reply = await self._ctl("locate", _np(ids), names)
-        keys = list(reply["objects"])
-        try:
-            values = await asyncio.gather(*(_fetch(reply["objects"][k][0], reply["pins"][k], self._units)
-                                            for k in keys))
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as exc:
-            raise _unwrap(exc) from None
-        objects = dict(zip(keys, values, strict=True))
-        cols: dict[str, Column] = {}
-        for k in names:
-            if ids.numel() == 0:
-                cols[k] = _empty_column(reply["schema"][k])
+        for _ in range(_READ_TRIES):
+            reply = await self._ctl("locate", _np(ids), names)
+            keys = list(reply["objects"])
+            try:
+                values = await asyncio.gather(*(self._read(reply["objects"][k], reply["pins"][k], names)
+                                                for k in keys))
+            except RangeRecycledError:  # a column was rewritten (its range recycled) while read: locate again
                 continue
-            loc = _pt(reply["loc"][k])
-            cols[k] = _assemble(loc, {o: _column_from_wire(objects[o][k]) for o in torch.unique(loc[:, 0]).tolist()})
-        return Batch(cols, row_ids=meta.row_ids, num_rows=len(meta))
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError,
+                    ray.exceptions.ObjectLostError) as exc:
+                raise _unwrap(exc) from None
+            objects = dict(zip(keys, values, strict=True))
+            cols: dict[str, Column] = {}
+            for k in names:
+                if ids.numel() == 0:
+                    cols[k] = _empty_column(reply["schema"][k])
+                    continue
+                loc = _pt(reply["loc"][k])
+                cols[k] = _assemble(loc, {o: objects[o][k] for o in torch.unique(loc[:, 0]).tolist()})
+            return Batch(cols, row_ids=meta.row_ids, num_rows=len(meta))
+        raise StoreError(f"the rows' columns were rewritten during each of {_READ_TRIES} reads; read them again")
+
+    async def _read(self, obj: Any, pin: Any, names: list[str]) -> dict[str, Column]:
+        """One object's (or arena range's) columns ``names``."""
+        if not isinstance(obj, dict):
+            wire = await _fetch(obj[0], pin, self._units)
+            return {k: _column_from_wire(wire[k]) for k in names if k in wire}
+        key = (obj["arena"], obj["seq"])  # pinned by the locate that named it
+        if obj["node"] == self._node:  # same node: views of the mapped file, unpinned once no view is left
+            try:
+                parts = self._reader.read(obj, names, on_release=lambda: self._unpins.append(key))
+            except RangeRecycledError:
+                self._unpins.append(key)
+                raise
+            return {k: RaggedTensor(p["v"], p["o"]) if "o" in p else p["v"] for k, p in parts.items()}
+        try:  # another node: the unit on the range's node copies it into its reply
+            wire = await self._units[obj["unit"]].read_range.remote(obj, names)
+        finally:
+            self._unpins.append(key)
+        if not wire:
+            raise RangeRecycledError(obj["path"])
+        return {k: _column_from_wire(w) for k, w in wire.items()}
+
+    async def _producer_arena(self) -> ProducerArena | None:
+        """This handle's arena, made at its first large put when a storage unit runs on this node (else None:
+        puts go through Ray's object store, which moves objects between nodes)."""
+        if self._arena is None and not self._arena_checked:
+            self._arena_checked = True
+            if ray_arena.ARENA_MAX_BYTES > 0 and os.path.isdir(ray_arena.SHM_ROOT):
+                nodes = await asyncio.gather(*(self._await(u.node.remote()) for u in self._units))
+                here = [i for i, (node, _) in enumerate(nodes) if node == self._node]
+                if here:
+                    self._arena = ProducerArena(self._store_key, self._node, here[0], nodes[here[0]][1])
+        return self._arena
 
     # -- control calls -------------------------------------------------------------------
 
@@ -924,9 +1075,20 @@ class RayStore(StreamStore):
             return
         self._closed = True
         owned, self._owned = self._owned, []
+        if self._arena is not None:
+            self._arena.close()
+        self._reader.close()
+        try:
+            self._send_unpins()
+        except Exception:  # noqa: BLE001  (the store may be gone already; pins die with it)
+            pass
         if owned:
             try:
                 await self._await(self._controller.close.remote())
+            except StoreError:
+                pass
+            try:  # every node with a unit: the only nodes whose producers used arenas
+                await asyncio.gather(*(self._await(u.remove_arenas.remote(self._store_key)) for u in self._units))
             except StoreError:
                 pass
             for actor in owned:
