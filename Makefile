@@ -55,10 +55,10 @@ agent-calculator: $(STAMP)
 test: test-core test-vllm
 
 test-core: $(STAMP)
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/python -m pytest --durations=30
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest adapters/vllm/tests
+	$(VLLM_VENV)/bin/python -m pytest --durations=30 adapters/vllm/tests
 
 # Only the tests marked `gpu` (CUDA, NCCL, bf16 paths). On a CUDA host, point TORCH and VLLM at CUDA
 # builds first, e.g. `make test-gpu TORCH=torch==2.13.0 VLLM=vllm==0.32.0`. Without CUDA they all skip.
