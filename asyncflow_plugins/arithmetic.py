@@ -238,6 +238,8 @@ class ArithmeticReward(Reward):
     """
 
     extras = ("correct", "formatted")
+    #: synchronous, microseconds a sample, no I/O: scored inline in the rollout's write (``reward.inline``)
+    local = True
 
     def __init__(self, config: ArithmeticRewardConfig) -> None:
         self.config = config

@@ -56,6 +56,9 @@ class ExactMatch(Reward):
     ``KeyError`` — the runtime records that sample as failed.
     """
 
+    #: synchronous, a string comparison a sample, no I/O: scored inline in the rollout's write (``reward.inline``)
+    local = True
+
     def __init__(self, config: ExactMatchConfig) -> None:
         self.config = config
 

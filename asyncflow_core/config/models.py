@@ -207,6 +207,13 @@ class RewardConfig(Component):
     name: str = Field(description="Reward plugin name.")
     workers: int = Field(2, ge=1, description="Concurrent reward evaluations.")
     timeout_s: float = Field(60.0, gt=0, description="A reward not returned by then marks its sample failed.")
+    inline: bool | None = Field(
+        None, description="Score each completion in the rollout stage's write (the same store put as its tokens) "
+        "instead of in a reward stage of its own, which costs four store calls per lease. null (auto): inline when "
+        "the reward's class declares `local = True` (synchronous, cheap, no I/O: arithmetic, exact_match) and the "
+        "run is single-turn; a remote pool, an async reward, pipeline.replace.reward and episodes keep the stage "
+        "(with reward.workers and reward.timeout_s, which an inline reward does not use). true: inline any reward "
+        "that can be (an error says why not); false: always the reward stage.")
 
 
 class AsyncMode(str, enum.Enum):

@@ -27,7 +27,8 @@ import torch
 
 from asyncflow_core import columns as C
 from asyncflow_core.errors import ConfigError
-from asyncflow_core.flow.rollout_stage import RolloutStage
+from asyncflow_core.flow.reward_inline import InlineReward, wants_inline
+from asyncflow_core.flow.rollout_stage import ROLLOUT_OUT, RolloutStage
 from asyncflow_core.flow.stage import PER_RESPONSE_TOKEN, STANDARD_COLUMN_TYPES, Stage
 from asyncflow_core.flow.staleness import TailPolicy
 from asyncflow_core.flow.stages import AdvantageStage, LogprobStage, PromptFeeder, RewardStage, TrainStage
@@ -166,12 +167,18 @@ class PipelinePlan:
             reward_stage = self.reward_stage or RewardStage(
                 reward, tokenizer, workers=cfg.reward.workers, timeout_s=cfg.reward.timeout_s,
                 batch_size=cfg.pipeline.reward_batch or B * n, reward_name=cfg.reward.name)
+        inline = reward_stage is not None and wants_inline(
+            cfg.reward.inline, reward, name=cfg.reward.name, single_turn=rollout.produces == ROLLOUT_OUT,
+            replaced=self.reward_stage is not None)
+        if inline:  # scored in the rollout stage's write: the reward columns are the rollout's (flow/reward_inline.py)
+            rollout.writer.score = InlineReward(reward_stage)  # type: ignore[arg-type]
+            rollout.produces = (*rollout.produces, *reward_stage.produces)  # type: ignore[union-attr]
         added = [*self.plugins, *extra_stages]
         stages: list[Stage] = [
             # over-provisioned prompts are admitted to the end too (those left at the stop count as unfinished)
             PromptFeeder(dataset, tokenizer, epochs=cfg.data.epochs, shuffle=cfg.data.shuffle, seed=cfg.seed,
                          max_prompts=cfg.trainer.total_steps * B + TailPolicy.from_config(cfg.async_).extra_prompts(B)),
-            rollout, *([reward_stage] if reward_stage is not None else []), *added,
+            rollout, *([reward_stage] if reward_stage is not None and not inline else []), *added,
         ]
         names = [st.name for st in stages]
         if len(set(names)) != len(names):

@@ -273,8 +273,16 @@ class Stage(abc.ABC):
 
     async def handle(self, meta: BatchMeta, batch: Batch) -> None:
         """Process ``batch``, isolating failing rows, and write the outputs to ``meta``'s rows."""
+        out_cols, versions = await self.outputs(meta.row_ids, batch)
+        await self.ctx.store.put(out_cols, rows=meta, versions=versions)
+
+    async def outputs(self, row_ids: torch.Tensor, batch: Batch) -> tuple[dict[str, Column], torch.Tensor | None]:
+        """The produced columns (and version ranges, or None) for every row of ``batch``, whose store rows are
+        ``row_ids``: :meth:`process` on the rows not failed upstream, placeholders for the others and for rows
+        that raise. What :meth:`handle` writes; the rollout stage's writer calls it directly for an inline
+        reward (flow/reward_inline.py)."""
         ctx = self.ctx
-        good = (~ctx.outcomes.mask(meta.row_ids)).nonzero().squeeze(1)
+        good = (~ctx.outcomes.mask(row_ids)).nonzero().squeeze(1)
         out_cols: dict[str, Column] | None = None
         versions = None
         if good.numel():
@@ -287,7 +295,7 @@ class Stage(abc.ABC):
                 res = await self._rowwise(sub, exc)
             if res.drop is not None:
                 ctx.outcomes.filter(self.name, (sub.row_ids if sub.row_ids is not None
-                                                else meta.row_ids[good])[res.drop.to(torch.bool)])
+                                                else row_ids[good])[res.drop.to(torch.bool)])
             if good.numel() == batch.num_rows:
                 out_cols, versions = dict(res.columns), res.versions
             else:
@@ -295,7 +303,7 @@ class Stage(abc.ABC):
         else:
             out_cols = self.placeholder(batch)
         ctx.processed[self.name] += int(good.numel())
-        await ctx.store.put(out_cols, rows=meta, versions=versions)
+        return out_cols, versions
 
     async def _rowwise(self, batch: Batch, first: Exception) -> StageOutput:
         """Retry a failed batch one row at a time; rows that still raise are recorded failed."""

@@ -56,6 +56,9 @@ class TrajectoryWriter:
         self.spawn = spawn
         self.on_written = on_written
         self.ctx: Any = None  #: the run's context (store, version, counters), given by the owning stage's bind
+        #: an inline reward (flow/reward_inline.py): ``await score(ctx, rows, items, cols)`` gives the reward columns,
+        #: put together with the rollout columns of single-turn results; None: a reward stage scores them
+        self.score: Callable[..., Any] | None = None
         self._buffer: list[tuple[Any, GenerationResult | Trajectory | None]] = []
         self._flush_scheduled = False
 
@@ -78,6 +81,8 @@ class TrajectoryWriter:
             cols, vrange, sampled = self._episode_columns(items)
         else:
             cols, vrange, sampled = self._result_columns(items)
+            if self.score is not None:
+                cols.update(await self.score(ctx, rows, items, cols))
         await ctx.store.put(cols, rows=BatchMeta(row_ids=rows), versions=torch.tensor(vrange))
         ctx.processed[self.stage] += len(items)
         ctx.counters["tokens_generated"] += sampled

@@ -87,6 +87,10 @@ class RewardFeatures(Features):
         False, description="score_many(samples, timeout_s) scores a batch in one call, (True, value) or (False, why) "
         "per sample; off: the reward stage calls score() once per sample."
     )
+    local: bool = Field(
+        False, description="score() is synchronous, cheap and does no I/O: a single-turn run scores it inline in the "
+        "rollout stage's write, with no reward stage of its own (reward.inline)."
+    )
     extras: tuple[str, ...] = Field(
         (), description="Keys the reward returns beside 'reward' in its mapping (e.g. 'correct'): each becomes a "
         "per-row float32 store column `reward_extra/<key>` (NaN where a sample lacks it) that the trainer receives and "
@@ -121,10 +125,10 @@ class AlgorithmFeatures(Features):
 def reward_features(reward: object) -> RewardFeatures:
     """The reward's :class:`RewardFeatures`: its ``features`` when it declares them, else read from what it defines.
 
-    A reward without a ``features`` property declares ``needs_text`` and
-    ``extras`` as class attributes (defaults True and ``()``) and batch
-    scoring by defining a callable ``score_many``; this is the one place
-    those declarations are read.
+    A reward without a ``features`` property declares ``needs_text``,
+    ``local`` and ``extras`` as class attributes (defaults True, False and
+    ``()``) and batch scoring by defining a callable ``score_many``; this is
+    the one place those declarations are read.
     """
     declared = getattr(reward, "features", None)
     if isinstance(declared, RewardFeatures):
@@ -135,6 +139,7 @@ def reward_features(reward: object) -> RewardFeatures:
         many = False
     try:
         return RewardFeatures(needs_text=bool(getattr(reward, "needs_text", True)), supports_score_many=many,
+                              local=getattr(type(reward), "local", False) is True,
                               extras=tuple(getattr(reward, "extras", ())))
     except ValidationError as exc:
         why = "; ".join(e["msg"] for e in exc.errors())

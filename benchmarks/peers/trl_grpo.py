@@ -6,7 +6,8 @@ Usage (TRL lives in its own environment, so the main one keeps its pins):
     .venv-bench/bin/pip install torch==2.13.0        # first: the local CPU wheel, not a CUDA build
     .venv-bench/bin/pip install trl pluggy pydantic pyyaml
     OMP_NUM_THREADS=2 .venv-bench/bin/python benchmarks/peers/trl_grpo.py [--steps 300] [--lrs 3e-4,1e-3,3e-3]
-        [--trl-defaults] [--no-asyncflow] [--asyncflow-python .venv/bin/python] [--out runs/peers] [--json]
+        [--trl-defaults] [--no-asyncflow] [--asyncflow-steps N] [--asyncflow-python .venv/bin/python]
+        [--out runs/peers] [--json]
 
 The model is the example's (``examples/arithmetic_grpo.yaml``: a Llama with
 hidden 64, head_dim 64, 4 heads, 2 KV heads, 2 layers, vocabulary 14, tied
@@ -201,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trl-defaults", action="store_true",
                    help="TRL's own scale_rewards / loss_type / entropy_coef instead of the example's")
     p.add_argument("--no-asyncflow", action="store_true", help="run only the TRL side")
+    p.add_argument("--asyncflow-steps", type=int, default=None,
+                   help="steps of the asyncflow run (default: --steps). Its samples/s is a rate either way; more steps "
+                   "show whether it reaches accuracy 0.5 within a time budget (60 s) that --steps 100 (~15 s) ends "
+                   "well before")
     p.add_argument("--asyncflow-python", default=str(REPO / ".venv" / "bin" / "python"),
                    help="the interpreter of the environment asyncflow is installed in")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "peers")
@@ -210,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         lrs = [float(x) for x in a.lrs.split(",") if x]
     except ValueError:
         p.error(f"--lrs {a.lrs!r}: give numbers separated by commas, e.g. 3e-4,1e-3")
-    if a.steps < 1 or not lrs:
-        p.error("--steps must be >= 1 and --lrs must name at least one learning rate")
+    if a.steps < 1 or not lrs or (a.asyncflow_steps is not None and a.asyncflow_steps < 1):
+        p.error("--steps and --asyncflow-steps must be >= 1 and --lrs must name at least one learning rate")
     try:
         import trl
     except ImportError:
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--asyncflow-python {a.asyncflow_python}: no such interpreter (or pass --no-asyncflow)")
     results = [run_trl(lr, steps=a.steps, out=a.out, seed=a.seed, trl_defaults=a.trl_defaults) for lr in lrs]
     if not a.no_asyncflow:
-        results.append(run_asyncflow(a.asyncflow_python, steps=a.steps, out=a.out))
+        results.append(run_asyncflow(a.asyncflow_python, steps=a.asyncflow_steps or a.steps, out=a.out))
     meta = {"trl": trl.__version__, "steps": a.steps, "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     if a.json:
         print(json.dumps({"results": results, **meta}))
