@@ -53,7 +53,9 @@ the config of every mode but ``sync`` (the baseline stays as it is), e.g.
 ``--payload`` picks what the sim rollout engines return: ``lengths`` (the
 default: zero-width token ids and log-probs, the same schedule) or
 ``tokens`` (full token tensors through the store). ``--workers`` runs that
-many simulations at once (one process each); ``wall s`` is each run's own,
+many simulations at once (one process each), the most expensive first
+(devices x simulated steps), so the last to start are the short ones; the
+rows are printed in the order asked. ``wall s`` is each run's own,
 ``cpu s`` the CPU seconds it used (what it costs on a machine shared with
 other jobs, where wall time depends on the load).
 """
@@ -61,6 +63,7 @@ other jobs, where wall time depends on the load).
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import math
@@ -280,14 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jsonl", type=Path, default=None,
                    help="also append each device count's rows to this file as they finish (long sweeps)")
     a = p.parse_args(argv)
-    modes = [m for m in a.modes.split(",") if m]
+    modes = list(dict.fromkeys(m for m in a.modes.split(",") if m))
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
     if a.max_new_tokens < 1 or a.steps < 1 or a.samples_per_device < N:
         p.error(f"need --max-new-tokens >= 1, --steps >= 1 and --samples-per-device >= {N} (one prompt of n = {N})")
     results: list[dict[str, Any]] = []
-    sizes = [int(d) for d in a.devices.split(",") if d]
+    sizes = list(dict.fromkeys(int(d) for d in a.devices.split(",") if d))
     for devices in sizes:
         if devices < 16 or devices % 8:
             p.error(f"--devices {devices}: use multiples of 8, at least 16 (the trainer takes whole 8-device nodes)")
@@ -298,15 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(d, m, a.steps, a.samples_per_device, a.max_new_tokens, a.payload, tuple(a.set))
             for d in sizes for m in modes]
     if a.workers > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(a.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = iter(pool.map(_run_in_worker, jobs))  # in order: each size's rows as they finish
-            by_size = ([next(done) for _ in modes] for _ in sizes)
-            _report(a, sizes, by_size, results)
+        _report(a, _run_pool(jobs, a.workers, modes), results)
+        order = {(d, m): i for i, (d, m, *_) in enumerate(jobs)}
+        results.sort(key=lambda r: order[(r["devices"], r["mode"])])  # the order asked, whatever finished first
     else:
-        _report(a, sizes, ([run_one(*job) for job in jobs if job[0] == d] for d in sizes), results)
+        _report(a, ((d, [run_one(*job) for job in jobs if job[0] == d]) for d in sizes), results)
     out = {"results": results, "steps": a.steps, "samples_per_device": a.samples_per_device, "n": N,
            "max_new_tokens": a.max_new_tokens, "payload": a.payload, "workers": a.workers,
            "sweep_wall_s": time.perf_counter() - t0, "sweep_cpu_s": sum(r["cpu_s"] for r in results)}
@@ -317,9 +316,36 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report(a: argparse.Namespace, sizes: list[int], by_size: Any, results: list[dict[str, Any]]) -> None:
+def expected_cost(job: tuple) -> int:
+    """A simulation's relative cost for ordering a sweep: devices x simulated steps (warm-up included). The CPU
+    seconds measured follow it roughly: 1,024 devices ~25x 32, async4 ~2x sync (docs/performance.md, "Simulator
+    speed"); only the order is used."""
+    devices, mode, steps = job[0], job[1], job[2]
+    return devices * (warmup_steps(mode) + steps)
+
+
+def _run_pool(jobs: list[tuple], workers: int, modes: list[str]) -> Any:
+    """Run ``jobs`` on ``workers`` processes, longest first (the greedy longest-processing-time order: the last
+    simulations to start are the short ones, so the workers finish together instead of one waiting on a 1,024-device
+    row started last). Yields (devices, rows in the order of ``modes``) as each size's rows are all done."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_in_worker, job): job for job in sorted(jobs, key=expected_cost, reverse=True)}
+        pending = collections.Counter(job[0] for job in jobs)
+        done: dict[int, dict[str, dict[str, Any]]] = collections.defaultdict(dict)
+        for fut in as_completed(futures):
+            row = fut.result()
+            done[row["devices"]][row["mode"]] = row
+            pending[row["devices"]] -= 1
+            if not pending[row["devices"]]:
+                yield row["devices"], [done[row["devices"]][m] for m in modes]
+
+
+def _report(a: argparse.Namespace, by_size: Any, results: list[dict[str, Any]]) -> None:
     """Add the sweep's comparisons to each size's rows (as each size finishes) and append them to --jsonl."""
-    for devices, rows in zip(sizes, by_size, strict=True):
+    for devices, rows in by_size:
         by = {r["mode"]: r for r in rows}
         samples_per_step = a.samples_per_device * devices
         ideal = ideal_samples_per_s(devices, samples_per_step, a.max_new_tokens)

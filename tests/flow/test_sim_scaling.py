@@ -61,3 +61,23 @@ def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         sim.main(["--modes", "fast"])
     assert "unknown modes" in capsys.readouterr().err
+
+
+def test_a_pool_starts_the_longest_rows_first_and_reports_them_in_the_order_asked(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))  # spawned workers import the script by its module name
+    sim = _load()
+    jobs = [(d, m, 4) for d in (32, 128, 512, 1024) for m in sim.MODES]
+    order = sorted(jobs, key=sim.expected_cost, reverse=True)
+    assert order[0][:2] == (1024, "async4") and order[-1][:2] == (32, "stream")  # ties keep the order asked
+    assert [j[0] for j in order[:5]] == [1024] * 5
+    # the pool's rows are the serial run's (same schedule), in the order asked, whatever finished first
+    args = ["--devices", "16,24", "--modes", "stream,sync", "--steps", "1", "--samples-per-device", "8",
+            "--max-new-tokens", "512", "--json"]
+    assert sim.main(args) == 0
+    serial = json.loads(capsys.readouterr().out)["results"]
+    assert sim.main([*args, "--workers", "2"]) == 0
+    pooled = json.loads(capsys.readouterr().out)["results"]
+    assert [(r["devices"], r["mode"]) for r in pooled] == [(16, "stream"), (16, "sync"), (24, "stream"),
+                                                          (24, "sync")]
+    assert [r["schedule_digest"] for r in pooled] == [r["schedule_digest"] for r in serial]
+    assert all(r["speedup_vs_sync"] > 0 for r in pooled)  # each size's comparisons were added
