@@ -16,6 +16,8 @@ Public methods (stable):
 - ``live_mask(row_ids) -> Tensor``  (bool per id: is it a live row)
 - ``drop_rows(row_ids) -> Tensor``  (drop the live ones now, with leases left holding no row; dropped ids)
 - ``mark_ready(row_ids, columns, versions=None, num_tokens=None)``
+- ``mark_new_ready(row_ids, columns, versions=None, num_tokens=None)``  (``mark_ready`` of the ids the last
+  ``add_rows`` returned, before anything else changed them: a put of new rows; any other ids take ``mark_ready``)
 - ``validate_request(task, columns, batch_size, dp_rank=0, dp_size=1, lease_s=None, partition=None)``
 - ``try_lease(task, columns, batch_size, sampler, min_version, partition, partial, lease_s,
   consumer, dp_rank, dp_size, now) -> BatchMeta | None``
@@ -59,6 +61,7 @@ lease attempt reads one column instead of re-deriving it.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import time
 from collections.abc import Sequence
@@ -151,9 +154,15 @@ def has_repeats(ids: torch.Tensor | np.ndarray) -> bool:
     a = ids if isinstance(ids, np.ndarray) else ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
     if a.size < 2:
         return False
-    if bool((a[1:] > a[:-1]).all()):
+    if not np.count_nonzero(a[1:] <= a[:-1]):
         return False
     return np.unique(a).size != a.size
+
+
+@functools.lru_cache(maxsize=256)
+def _request(batch_size: int, partial: bool) -> SampleRequest:
+    """The (frozen, so shareable) single-rank request of a lease attempt; the same few on every attempt."""
+    return SampleRequest(batch_size, partial, 0, 1)
 
 
 def _grow(t: torch.Tensor, cap: int, fill: int = 0) -> torch.Tensor:
@@ -221,6 +230,9 @@ class Controller:
         #: where (add, drop, compaction, reset) bumps the generation and so drops it.
         self._slots_memo: tuple[int, np.ndarray, np.ndarray] | None = None
         self._slots_gen = getattr(self, "_slots_gen", 0) + 1
+        #: (ids tensor, slots slice, generation) of the last add_rows while its rows are as it left them (no
+        #: column ready, every task free): :meth:`mark_new_ready` then writes them without reading them
+        self._fresh: tuple[torch.Tensor, slice, int] | None = None
         self._tasks: dict[str, _Task] = {}
         self._produced_cache: frozenset[str] | None = None  #: every registered task's produces; None: stale
         self._consumers_cache: list[_Task] | None = None  #: the tasks that consume a column; None: stale
@@ -466,6 +478,7 @@ class Controller:
         self._slots_gen += 1
         # the next calls (mark ready, the wake-up check, a lease of exactly these rows) resolve these ids
         self._slots_memo = (self._slots_gen, ids_np.copy(), np.arange(s.start, s.stop, dtype=np.int64))
+        self._fresh = (ids, s, self._slots_gen)
         self._live += n
         self._counters["rows_put"] += n
         return ids
@@ -498,7 +511,8 @@ class Controller:
         if a.size == 0:
             return a.astype(np.int64, copy=False)
         memo = self._slots_memo
-        if memo is not None and memo[0] == self._slots_gen and memo[1].size == a.size and (memo[1] == a).all():
+        if (memo is not None and memo[0] == self._slots_gen and memo[1].size == a.size
+                and not np.count_nonzero(memo[1] != a)):
             return memo[2]
         # numpy: a handful of small-array ops on the calling thread, where each torch call would cost a dispatch
         # and a release of the GIL that the rollout engine's thread takes (docs/performance.md)
@@ -547,6 +561,7 @@ class Controller:
         s = self._slots(ids)
         n = ids.numel()
         v = normalize_versions(versions, n)
+        self._fresh = None  # readiness changes: the rows of the last add are no longer as it left them
         tok = None
         if num_tokens is not None:
             tok = _as_ids(num_tokens)
@@ -565,6 +580,44 @@ class Controller:
             maxv[s] = np.maximum(maxv[s], a[:, 1])
         if tok is not None:
             self._tokens_np[s] = tok.numpy()
+
+    def mark_new_ready(
+        self,
+        row_ids: torch.Tensor,
+        columns: Sequence[str],
+        versions: torch.Tensor | None = None,
+        num_tokens: np.ndarray | torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`mark_ready` of the rows the last :meth:`add_rows` returned (``row_ids`` is that very tensor),
+        the first write to them (a put of new rows): their tables are written through one slice, and each
+        kept eligibility is one value for all of them, since none of their columns was ready and every task
+        holds them free. Any other ids, or rows changed since, take :meth:`mark_ready`."""
+        fresh = self._fresh
+        if fresh is None or fresh[0] is not row_ids or fresh[2] != self._slots_gen:
+            self.mark_ready(row_ids, columns, versions, num_tokens)
+            return
+        s = fresh[1]
+        n = s.stop - s.start
+        v = normalize_versions(versions, n)
+        tok = None
+        if num_tokens is not None:
+            tok = num_tokens if isinstance(num_tokens, np.ndarray) else _as_ids(num_tokens).numpy()
+            if tok.size != n:
+                raise InvalidRequestError(f"num_tokens has {tok.size} entries for {n} rows")
+        self._fresh = None
+        written = self._need_masks(columns)
+        ready = self._ready_np
+        bits = dict(written)
+        for w, mask in written:
+            ready[s, w] = mask  # add_rows left them 0
+        for (_, needs), elig in self._eligible_cache.items():
+            elig[s] = all(bits.get(w, 0) & need == need for w, need in needs)  # free and alive: add_rows
+        if v is not None:
+            a = v.numpy()
+            self._minv_np[s] = a[:, 0]  # add_rows left -1 (no version yet); versions are non-negative
+            self._maxv_np[s] = a[:, 1]
+        if tok is not None:
+            self._tokens_np[s] = tok
 
     def any_ready(self, row_ids: torch.Tensor | Sequence[int], columns: Sequence[str]) -> bool:
         """Whether some live row of ``row_ids`` has every one of ``columns`` ready (cheap: the rows only).
@@ -708,7 +761,7 @@ class Controller:
                 mask = mask & (minv[:n] >= min_version)
             if pid is not None:
                 mask = mask & (part[:n] == pid)
-            slots = np.flatnonzero(mask).astype(np.int64, copy=False)
+            slots = mask.nonzero()[0].astype(np.int64, copy=False)  # flatnonzero without its wrapper
             if limit > 0 and slots.size > limit:
                 return slots[:limit], True
             return slots, False
@@ -776,11 +829,14 @@ class Controller:
         groups = torch.from_numpy(g)
         n = g.size
         gmax = int(g.max()) if n else -1
+        low = int(np.where(g >= 0, g, gmax).min()) if gmax >= 0 else 0  # the smallest group id among them
         if gmax < 0:
             group_ready = torch.from_numpy(np.zeros(n, dtype=np.int64))
-        elif gmax < 4 * n + 4096:  # dense ids (prompt indices): a bincount is O(n); bin 0 collects ungrouped rows
-            shifted = g + 1
-            counts = np.bincount(shifted, minlength=gmax + 2)
+        elif gmax - low < 4 * n + 4096:
+            # ids in a narrow window (prompt indices of the rows live now, however far a run got): a bincount
+            # over the window is O(n + window); bin 0 collects ungrouped rows
+            shifted = np.where(g >= 0, g - (low - 1), 0)
+            counts = np.bincount(shifted, minlength=gmax - low + 2)
             counts[0] = 0
             group_ready = torch.from_numpy(counts[shifted].astype(np.int64, copy=False))
         else:
@@ -815,6 +871,8 @@ class Controller:
         """Whether no new rows can arrive (in ``partition``, or anywhere for ``None``)."""
         if self._ended_all:
             return True
+        if not self._ended:  # no partition ended (every lease attempt asks)
+            return False
         if partition is not None:
             return partition in self._ended
         return bool(self._partitions) and all(p in self._ended for p in self._partitions)
@@ -869,8 +927,10 @@ class Controller:
                 return claimed
         limit = max(self._max_candidates, 4 * batch_size) if self._max_candidates > 0 else 0
         slots, truncated = self._eligible_slots(t, columns, min_version, partition, limit)
-        cands = self._candidates(slots)
         ended = self.stream_ended(partition)
+        if slots.size == 0 and not partial and not ended:
+            return None  # nothing to hand out and nothing to decide (most attempts of a waiting stage)
+        cands = self._candidates(slots)
         parts = self._sample(smp, cands, batch_size, partial, dp_size)
         if not any(p.numel() for p in parts) and ended:
             blocking = self._blocking_count(t, columns, min_version, partition)
@@ -881,7 +941,7 @@ class Controller:
                 parts = self._sample(smp, cands, batch_size, True, dp_size)
                 if not any(p.numel() for p in parts):
                     return self._eos_meta(task, columns)  # the sampler can never use what is left
-        if not any(p.numel() for p in parts):
+        if not (parts[0].numel() if dp_size == 1 else any(p.numel() for p in parts)):
             return None
         if dp_size == 1:
             return self._grant(task, columns, slots[parts[0].numpy()], consumer, lease_s, now, cands, parts[0],
@@ -910,14 +970,17 @@ class Controller:
     ) -> list[torch.Tensor]:
         if len(cands) == 0 and not partial:
             return [torch.empty(0, dtype=torch.int64)] * dp_size
-        parts = [_as_ids(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size))) for r in range(dp_size)]
+        if dp_size == 1:
+            parts = [_as_ids(smp.sample(cands, _request(batch_size, partial)))]
+        else:
+            parts = [_as_ids(smp.sample(cands, SampleRequest(batch_size, partial, r, dp_size))) for r in range(dp_size)]
         allpos = torch.cat(parts) if dp_size > 1 else parts[0]
         a = allpos.numpy()
         if a.size:
             # a sampler's pick is usually increasing (oldest first): then no sort and no min/max pass
-            increasing = a.size < 2 or bool((a[1:] > a[:-1]).all())
+            increasing = a.size < 2 or not np.count_nonzero(a[1:] <= a[:-1])
             lo, hi = (int(a[0]), int(a[-1])) if increasing else (int(a.min()), int(a.max()))
-            if lo < 0 or hi >= len(cands):
+            if lo < 0 or hi >= cands.row_ids.numel():
                 raise InvalidRequestError(f"sampler {type(smp).__name__} returned positions outside the candidates")
             if not increasing and has_repeats(a):
                 raise InvalidRequestError(
@@ -946,12 +1009,13 @@ class Controller:
         t = self._tasks[task]
         lid = self._next_lease_id
         self._next_lease_id += 1
+        self._fresh = None  # rows leased: the last add's rows may be among them (see mark_new_ready)
         self._state_np[t.index][s] = LEASED
         self._lease_of_np[t.index][s] = lid
         for (ti, _), elig in self._eligible_cache.items():
             if ti == t.index:
                 elig[s] = False
-        row_ids = torch.from_numpy(cands.row_ids.numpy()[pos.numpy()])
+        row_ids = torch.from_numpy(self._row_id_np[s])  # the candidates' ids at ``pos`` (a gather of fresh memory)
         deadline = now + lease_s
         lease = self._leases[lid] = _Lease(task, row_ids, columns, deadline, consumer, lease_s, reserved, s,
                                            self._slots_gen)
@@ -1041,7 +1105,7 @@ class Controller:
         # only rows still held by this lease (cleared rows are gone, nothing else can hold them)
         lease_of = self._lease_of_np[t.index]
         held = lease_of[s] == lease_id
-        if not held.all():
+        if np.count_nonzero(held) != held.size:
             s = s[held]
         self._state_np[t.index][s] = new_state
         lease_of[s] = 0

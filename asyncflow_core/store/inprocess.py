@@ -58,6 +58,7 @@ class InProcessStoreConfig(StoreOptions):
 
 #: what a put blocked on capacity waits for (rows collected); see :class:`_Waiters`
 _CAPACITY = "<capacity>"
+_CAPACITY_EVENTS = frozenset((_CAPACITY,))
 
 
 def _task_event(task: str | None) -> str:
@@ -175,6 +176,8 @@ class InProcessStore(StreamStore):
         self._lock = threading.Lock()
         self._waiters = _Waiters()
         self._closed = False
+        self._token_columns = tuple(config.token_columns)
+        self._task_events: dict[str | None, str] = {}  #: task -> its waiters' event (see _task_event), built once
 
     @property
     def features(self) -> StoreFeatures:
@@ -206,7 +209,8 @@ class InProcessStore(StreamStore):
                 ok = True
                 return result
             finally:
-                self._waiters.wake(wakes if ok else None, self._written(result, written) if ok else None)
+                if self._waiters._items:  # nobody waits (the usual case): nothing to wake, nothing to work out
+                    self._waiters.wake(wakes if ok else None, self._written(result, written) if ok else None)
 
     def _written(self, meta: Any, columns: Collection[str]) -> tuple[Collection[str], Callable] | None:
         """What a put of ``columns`` to ``meta``'s rows can unblock (see :meth:`_Waiters.wake`); call under the lock."""
@@ -220,16 +224,26 @@ class InProcessStore(StreamStore):
 
         return columns, can_lease
 
+    def _event_of(self, task: str | None) -> str:
+        """:func:`_task_event` of ``task``, formatted once per task."""
+        event = self._task_events.get(task)
+        if event is None:
+            event = self._task_events[task] = _task_event(task)
+        return event
+
     def _lease_task(self, meta: BatchMeta) -> str | None:
         return self.controller.lease_task(meta.lease_id) if isinstance(meta.lease_id, int) else None
 
-    async def _block(self, attempt: Callable[[], T | None], timeout: float | None, what: str,
-                     waits_for: frozenset[str] | None = None, columns: frozenset[str] = frozenset(),
+    async def _block(self, attempt: Callable[[], T | None], timeout: float | None, what: Callable[[], str],
+                     waits_for: frozenset[str] | None = None, columns: Collection[str] = frozenset(),
                      wakes: Collection[str] | None = None, written: Collection[str] = (),
-                     gate: tuple[str, int] | None = None) -> T:
+                     gate: tuple[str, int] | Callable[[], tuple[str, int] | None] | None = None) -> T:
         """Retry ``attempt`` (under the lock) until it returns non-None, waking only when notified of one of
         ``waits_for`` (None: any change) or of rows with every one of ``columns`` ready, at the earliest lease
-        deadline, or at ``timeout``; success wakes the waiters for ``wakes`` and for ``written`` columns."""
+        deadline, or at ``timeout``; success wakes the waiters for ``wakes`` and for ``written`` columns.
+
+        ``what`` (the call, for the timeout's message), ``gate`` when callable, and the frozenset of
+        ``columns`` are worked out only when the call has to wait: most calls succeed at once."""
         if timeout is not None and timeout < 0:
             raise InvalidRequestError(f"timeout must be >= 0 or None, got {timeout}")
         loop = asyncio.get_running_loop()
@@ -240,13 +254,18 @@ class InProcessStore(StreamStore):
                 self._expire_locked()
                 result = attempt()
                 if result is not None:
-                    self._waiters.wake(wakes, self._written(result, written))
+                    if self._waiters._items:  # nobody waits (the usual case): nothing to wake
+                        self._waiters.wake(wakes, self._written(result, written))
                     return result
                 if give_up is not None and loop.time() >= give_up:
                     raise StoreTimeoutError(
-                        f"{what} did not complete within {timeout}s; raise the timeout, or check that a producer "
+                        f"{what()} did not complete within {timeout}s; raise the timeout, or check that a producer "
                         "is writing the columns asked for (and that consumers acknowledge rows)"
                     )
+                if callable(gate):
+                    gate = gate()
+                if not isinstance(columns, frozenset):
+                    columns = frozenset(columns)
                 fut = self._waiters.add(waits_for, columns, gate)
                 next_deadline = self.controller.next_deadline()
             delay = None if give_up is None else max(0.0, give_up - loop.time())
@@ -263,22 +282,27 @@ class InProcessStore(StreamStore):
                         self._waiters.discard(fut)
                     fut.cancel()
 
-    def _num_tokens(self, ids: torch.Tensor, columns: Mapping[str, Column], new: bool = False) -> torch.Tensor | None:
+    def _num_tokens(self, ids: torch.Tensor, columns: Mapping[str, Column], new: bool = False) -> np.ndarray | None:
         """Per-row token count after a write of ``columns``: the summed lengths of the stored token columns (of
         new rows, which hold only what was just written, the written columns' own lengths)."""
-        token_columns = self.config.token_columns
+        token_columns = self._token_columns
         if not any(c in columns for c in token_columns):
             return None
-        total = np.zeros(ids.numel(), dtype=np.int64)  # numpy: no torch call per column (store/indexing.py)
+        total = None  # numpy: no torch call per column (store/indexing.py)
         for c in token_columns:
             if new:
                 col = columns.get(c)
-                if isinstance(col, RaggedTensor):
-                    offsets = col.offsets.numpy() if col.offsets.is_cpu else col.offsets.cpu().numpy()
-                    total += offsets[1:] - offsets[:-1]
+                if not isinstance(col, RaggedTensor):
+                    continue
+                offsets = col.offsets.numpy() if col.offsets.is_cpu else col.offsets.cpu().numpy()
+                lengths = offsets[1:] - offsets[:-1]
             else:
-                total += self.storage.lengths(ids, c).numpy()
-        return torch.from_numpy(total)
+                lengths = self.storage.lengths(ids, c).numpy()
+            if total is None:
+                total = lengths  # a fresh array (a difference, or what lengths() returned)
+            else:
+                total += lengths
+        return np.zeros(ids.numel(), dtype=np.int64) if total is None else total
 
     # ------------------------------------------------------------------ the contract
 
@@ -330,12 +354,13 @@ class InProcessStore(StreamStore):
                     return None
                 raise
             self.storage.write(ids, cols, validated=True)
-            self.controller.mark_ready(ids, names, v, self._num_tokens(ids, cols, new=True))
+            # the rows add_rows just made, nothing else changed them: readiness written without reading it
+            self.controller.mark_new_ready(ids, names, v, self._num_tokens(ids, cols, new=True))
             gids = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.int64).reshape(-1)
             return BatchMeta(row_ids=ids, columns=names, group_ids=gids, extra={"partition": partition})
 
-        return await self._block(attempt, timeout, f"put of {n} rows (waiting for capacity)",
-                                 waits_for=frozenset({_CAPACITY}), wakes=(), written=names)
+        return await self._block(attempt, timeout, lambda: f"put of {n} rows (waiting for capacity)",
+                                 waits_for=_CAPACITY_EVENTS, wakes=(), written=names)
 
     async def get_meta(
         self,
@@ -354,10 +379,8 @@ class InProcessStore(StreamStore):
         dp_size: int = 1,
     ) -> BatchMeta:
         columns = tuple(columns)
-        with self._lock:
-            self._check_open()
-            self.controller.validate_request(task, columns, batch_size, dp_rank, dp_size, lease_s, partition)
-            group_size = self.controller.whole_group_size(sampler)
+        # no separate check first: try_lease checks the request (the same typed errors) before it changes
+        # anything, under the lock, in the first attempt
 
         def attempt() -> BatchMeta | None:
             return self.controller.try_lease(
@@ -365,12 +388,16 @@ class InProcessStore(StreamStore):
                 dp_rank, dp_size, self._clock(),
             )
 
+        def gate() -> tuple[str, int] | None:  # asked only when the call waits (under the lock)
+            group_size = self.controller.whole_group_size(sampler)
+            return (task, group_size) if group_size else None
+
         # rows become leasable for the task when a column it needs is written or its rows are freed; a lease
         # wakes the task's other waiters (data-parallel ranks claim parts reserved for them)
-        mine = _task_event(task)
-        return await self._block(attempt, timeout, f"get_meta({task!r}, {list(columns)}, batch_size={batch_size})",
-                                 waits_for=frozenset((mine,)), columns=frozenset(columns), wakes=(mine,),
-                                 gate=(task, group_size) if group_size else None)
+        mine = self._event_of(task)
+        return await self._block(
+            attempt, timeout, lambda: f"get_meta({task!r}, {list(columns)}, batch_size={batch_size})",
+            waits_for=frozenset((mine,)), columns=columns, wakes=(mine,), gate=gate)
 
     async def get(self, meta: BatchMeta, columns: Sequence[str] | None = None) -> Batch:
         names = tuple(meta.columns if columns is None else columns)
@@ -386,7 +413,7 @@ class InProcessStore(StreamStore):
 
         def do() -> None:
             # collected rows free capacity; the task's own waiters may now see the end of the stream
-            wakes.extend((_CAPACITY, _task_event(self._lease_task(meta))))
+            wakes.extend((_CAPACITY, self._event_of(self._lease_task(meta))))
             self.storage.free(self.controller.ack_and_collect(meta.lease_id, now=self._clock())[1])
 
         self._call(do, wakes=wakes)

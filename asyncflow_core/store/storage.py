@@ -71,20 +71,29 @@ class _Ragged:
         self.values = values
         self.zero_width = _zero_width(values)  #: lengths-only values (see :func:`_zero_width`)
         self.viewed = False  #: a read handed out a view of this arena
-        self._own_users = _storage_users(values)
+        #: the arena as numpy (None unless a CPU dtype numpy has): writes and gathers slice and copy through it,
+        #: a tenth of the cost of a torch slice and a single-threaded copy (see _NUMPY_DTYPES)
+        self.np_values = values.numpy() if _numpy_viewable(values) else None
+        # the storage object is kept (its reference is part of the arena's own share), so a check is one call
+        # on its handle instead of a new storage object per check (two per ack)
+        self._storage = values.untyped_storage()
+        self._cdata = self._storage._cdata
+        self._own_users = None if _USE_COUNT is None else int(_USE_COUNT(self._cdata))
 
     def in_use(self) -> bool:
         """Whether a view a read handed out may still see this arena (so its memory must not be rewritten)."""
         if not self.viewed:
             return False
-        users = _storage_users(self.values)
-        return users is None or self._own_users is None or users > self._own_users
+        if self._own_users is None:
+            return True
+        if int(_USE_COUNT(self._cdata)) > self._own_users:
+            return True
+        self.viewed = False  # every view handed out is gone; a later read that hands one out sets it again
+        return False
 
 
-def _storage_users(t: torch.Tensor) -> int | None:
-    """How many tensors (views included) and storage objects use ``t``'s storage; None when torch cannot say."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else int(count(t.untyped_storage()._cdata))
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+  #: how many tensors (views included) and storage objects use a storage; None when torch cannot say
 
 
 def check_column_schema(name: str, want: ColumnSchema | None, got: ColumnSchema) -> None:
@@ -160,7 +169,14 @@ class StorageUnit:
 
     def validate(self, num_rows: int, columns: Mapping[str, Column]) -> None:
         """Raise ``ColumnTypeError`` unless every column holds ``num_rows`` rows and matches its schema."""
+        schema = self._schema
         for name, col in columns.items():
+            if type(col) is RaggedTensor:  # the usual write: a ragged column of a known schema, checked inline
+                want = schema.get(name)  # a known name is a valid one (it was checked when first written)
+                v = col.values
+                if (want is not None and want.ragged and want.dtype == v.dtype and want.trailing == v.shape[1:]
+                        and v.dim() and col.offsets.numel() - 1 == num_rows):
+                    continue
             if not isinstance(name, str) or not name:
                 raise ColumnTypeError(f"column names must be non-empty strings, got {name!r}")
             try:
@@ -172,8 +188,8 @@ class StorageUnit:
                     f"column {name!r} holds {_rows(col)} rows but {num_rows} rows are being written; "
                     "give every column one value (or sequence) per row"
                 )
-            want = self._schema.get(name)
-            if want is not None and not self._reshapes(name, want, got, col):
+            want = schema.get(name)
+            if want is not None and want != got and not self._reshapes(name, want, got, col):
                 check_column_schema(name, want, got)
             if got.ragged and col.values.dim() == 0:  # type: ignore[union-attr]
                 raise ColumnTypeError(f"ragged column {name!r} needs values with a token axis")
@@ -238,6 +254,19 @@ class StorageUnit:
             return None
         return np.flatnonzero((pos >= 0) & (pos < self._alloc))
 
+    def _run(self, ids: np.ndarray) -> slice | None:
+        """The table slice of ``ids`` when they are consecutive and increasing (more than one), inside the table
+        and all held; else None."""
+        n = ids.size
+        if n < 2:
+            return None
+        i0 = int(ids[0])
+        p0 = i0 - self._base
+        p1 = p0 + n
+        if int(ids[-1]) - i0 + 1 != n or p0 < 0 or p1 > self._alloc or np.count_nonzero(ids[1:] <= ids[:-1]):
+            return None
+        return slice(p0, p1) if np.count_nonzero(self._known[p0:p1]) == n else None
+
     def _positions(self, ids: np.ndarray) -> np.ndarray:
         pos = ids - self._base
         inside = self._inside(pos)
@@ -265,7 +294,7 @@ class StorageUnit:
             self.validate(ids.size, columns)
         if ids.size == 0:
             return
-        increasing = ids.size < 2 or bool((ids[1:] > ids[:-1]).all())  # the usual case: no sort, no min/max pass
+        increasing = ids.size < 2 or not np.count_nonzero(ids[1:] <= ids[:-1])  # usual: no sort, no min/max pass
         lo, hi = (int(ids[0]), int(ids[-1]) + 1) if increasing else (int(ids.min()), int(ids.max()) + 1)
         if lo < 0:
             raise InvalidRequestError("row ids must be non-negative")
@@ -276,29 +305,33 @@ class StorageUnit:
             if name not in self._schema:
                 self._schema[name] = _schema_of(col)
                 self._cols[name] = self._new_col(self._schema[name])
-            elif (isinstance(col, RaggedTensor) and col.numel_packed
-                  and self._schema[name].trailing != tuple(col.values.shape[1:])):  # dtypes match (validated)
+            elif (isinstance(col, RaggedTensor) and col.values.shape[0]
+                  and self._schema[name].trailing != col.values.shape[1:]):  # dtypes match (validated)
                 self._schema[name] = _schema_of(col)  # validated: the column held no values (see _reshapes)
                 store = self._cols[name]
                 store.set_values(store.values.new_zeros((store.values.shape[0], *col.values.shape[1:])))  # type: ignore[union-attr]
         pos = self._ensure(ids, lo, hi)
+        # consecutive ids (every put of new rows): the table positions are a slice, so each per-row table is
+        # read and written through a view instead of a gather and a scatter
+        at: np.ndarray | slice = slice(lo - self._base, hi - self._base) if increasing and hi - lo == ids.size else pos
         known = self._known
-        self._num_known += pos.size - int(np.count_nonzero(known[pos]))
-        known[pos] = True
+        self._num_known += ids.size - int(np.count_nonzero(known[at]))
+        known[at] = True
         for name, col in columns.items():
             store = self._cols[name]
             if isinstance(store, _Dense):
                 assign(store.data, torch.from_numpy(pos).to(self.device), col.to(self.device))  # type: ignore[union-attr]
             else:
-                self._append_ragged(store, pos, col)  # type: ignore[arg-type]
-            store.present[pos] = True
+                self._append_ragged(store, at, col)  # type: ignore[arg-type]
+            store.present[at] = True
 
-    def _append_ragged(self, store: _Ragged, pos: np.ndarray, col: RaggedTensor) -> None:
+    def _append_ragged(self, store: _Ragged, pos: np.ndarray | slice, col: RaggedTensor) -> None:
         old = store.present[pos]
-        if old.any():  # rows written before: their segments are garbage now, so compaction drops them
-            store.garbage += int(store.length[pos[old]].sum())
-            store.present[pos] = False
-            store.length[pos] = 0
+        if np.count_nonzero(old):  # rows written before: their segments are garbage now, so compaction drops them
+            was = (pos if isinstance(pos, np.ndarray) else np.arange(pos.start, pos.stop))[old]
+            store.garbage += int(store.length[was].sum())
+            store.present[was] = False
+            store.length[was] = 0
         total = col.numel_packed
         if store.used and store.used == store.garbage and not store.in_use():
             # nothing live, and no reader sees the arena any more: start it over on its warm pages (a reader
@@ -307,10 +340,20 @@ class StorageUnit:
         if store.used + total > store.values.shape[0]:
             self._compact_arena(store, extra=total)
         if total and not store.zero_width:  # lengths-only values: only the offsets are kept
-            _copy_into(store.values[store.used : store.used + total], col.values.to(self.device))
+            v = col.values
+            arena = store.np_values
+            if arena is not None and v.is_cpu and v.dtype == store.values.dtype and not v.requires_grad:
+                np.copyto(arena[store.used : store.used + total], v.numpy())  # one single-threaded memcpy
+            else:
+                _copy_into(store.values[store.used : store.used + total],
+                           v if v.device == self.device else v.to(self.device))
         offsets = _cpu_numpy(col.offsets)
-        store.start[pos] = store.used + offsets[:-1]
-        store.length[pos] = offsets[1:] - offsets[:-1]
+        if isinstance(pos, slice):  # straight into the tables' views, no temporaries
+            np.add(offsets[:-1], store.used, out=store.start[pos])
+            np.subtract(offsets[1:], offsets[:-1], out=store.length[pos])
+        else:
+            store.start[pos] = store.used + offsets[:-1]
+            store.length[pos] = offsets[1:] - offsets[:-1]
         store.used += total
 
     def _compact_arena(self, store: _Ragged, extra: int = 0) -> None:
@@ -349,7 +392,10 @@ class StorageUnit:
         referenced moves to a fresh arena), so such a view keeps its values as long as it is referenced;
         it must be treated as read-only.
         """
-        ids_t = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
+        if isinstance(row_ids, torch.Tensor) and row_ids.dtype == torch.int64 and row_ids.dim() == 1:
+            ids_t = row_ids  # what as_tensor and reshape would give (the same memory), without their dispatch
+        else:
+            ids_t = torch.as_tensor(row_ids, dtype=torch.int64).reshape(-1)
         ids = _cpu_numpy(ids_t)
         out: dict[str, Column] = {}
         cols = self._cols
@@ -358,11 +404,16 @@ class StorageUnit:
                 raise UnknownColumnError(
                     f"column {name!r} was never written; written columns: {sorted(cols)}"
                 )
-        pos = self._positions(ids) if ids.size else ids
+        at = self._run(ids)
+        # consecutive rows, all held (a lease of what one put wrote, the usual read): the per-row tables are
+        # read through a slice (views), not gathered
+        pos = self._positions(ids) if at is None and ids.size else ids - self._base
+        if at is None:
+            at = pos
         for name in columns:
             store = cols[name]
-            present = store.present[pos]
-            if not present.all():
+            present = store.present[at]
+            if np.count_nonzero(present) != present.size:
                 bad = ids[~present][:8].tolist()
                 raise UnknownColumnError(
                     f"rows {bad} have no value for column {name!r} yet; lease rows with get_meta(columns=[...]) "
@@ -371,8 +422,9 @@ class StorageUnit:
             if isinstance(store, _Dense):
                 out[name] = take(store.data, torch.from_numpy(pos).to(self.device))
             else:
-                out[name] = _gather_ragged(store, pos, self.device, views=views)
-        return Batch(out, row_ids=ids_t, num_rows=ids.size)
+                out[name] = _gather_ragged(store, at, self.device, views=views)
+        # every column was built here for exactly these rows: no re-check of what was just built
+        return Batch._trusted(out, ids_t, int(ids.size))
 
     def has(self, row_ids: torch.Tensor | Sequence[int], column: str) -> torch.Tensor:
         """Bool per row: does it hold a value for ``column``?"""
@@ -406,18 +458,23 @@ class StorageUnit:
         ids = _ids(row_ids)
         if ids.size == 0:
             return
-        pos = ids - self._base
-        inside = self._inside(pos)
-        if inside is not None:
-            pos = pos[inside]
         known = self._known
-        held = known[pos]
-        if not held.all():
-            pos = pos[held]
-        if pos.size == 0:
-            return
+        pos: np.ndarray | slice | None = self._run(ids)  # consecutive and all held: slices of the tables
+        if pos is not None:
+            count = ids.size
+        else:
+            pos = ids - self._base
+            inside = self._inside(pos)
+            if inside is not None:
+                pos = pos[inside]
+            held = known[pos]
+            if not held.all():
+                pos = pos[held]
+            count = pos.size
+            if count == 0:
+                return
         known[pos] = False
-        self._num_known -= pos.size
+        self._num_known -= count
         for store in self._cols.values():
             if isinstance(store, _Ragged):
                 store.garbage += int(store.length[pos].sum())  # 0 where absent (see _Ragged)
@@ -531,8 +588,9 @@ _NUMPY_MIN_ELEMENTS = 1 << 15  #: torch's intra-op grain size: shorter copies ru
 
 
 def _numpy_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.dtype in _NUMPY_DTYPES and dst.numel() >= _NUMPY_MIN_ELEMENTS and dst.shape == src.shape
+    # the length first: most copies of a small put or read end the check there
+    return (dst.numel() >= _NUMPY_MIN_ELEMENTS and dst.device.type == "cpu" and src.device.type == "cpu"
+            and dst.dtype == src.dtype and dst.dtype in _NUMPY_DTYPES and dst.shape == src.shape
             and not dst.requires_grad and not src.requires_grad)
 
 
@@ -572,6 +630,20 @@ def _zero_width(values: torch.Tensor) -> bool:
     return values.dim() > 1 and 0 in values.shape[1:]
 
 
+def _runs(starts: np.ndarray, lens: np.ndarray) -> tuple[list[int], list[int]]:
+    """Segments ``starts[i] .. starts[i] + lens[i]`` (in read order) merged where one ends where the next starts:
+    (run starts, run ends) as lists. Rows one put wrote come out as one run."""
+    ends = starts + lens
+    head = np.empty(starts.size, dtype=bool)
+    head[0] = True
+    np.not_equal(starts[1:], ends[:-1], out=head[1:])
+    first = head.nonzero()[0]
+    last = np.empty_like(first)
+    last[:-1] = first[1:] - 1
+    last[-1] = starts.size - 1
+    return starts[first].tolist(), ends[last].tolist()
+
+
 def _segment_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """Positions ``starts[i] .. starts[i] + lens[i]`` for every segment, concatenated (vectorised).
 
@@ -597,29 +669,42 @@ def _cpu_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.is_cpu else t.cpu().numpy()
 
 
-def _gather_ragged(store: _Ragged, pos: np.ndarray, device: torch.device, views: bool = False) -> RaggedTensor:
+_ACCUMULATE = np.add.accumulate
+
+
+def _gather_ragged(store: _Ragged, pos: np.ndarray | slice, device: torch.device, views: bool = False
+                   ) -> RaggedTensor:
     st, ln = store.start[pos], store.length[pos]
-    offs = np.zeros(ln.size + 1, dtype=np.int64)
-    np.cumsum(ln, out=offs[1:])
+    offs = np.empty(ln.size + 1, dtype=np.int64)
+    offs[0] = 0
+    _ACCUMULATE(ln, out=offs[1:])  # np.cumsum without its Python wrapper (a third of this function's time)
     offsets = torch.from_numpy(offs)
     total = int(offs[-1])
     if store.zero_width:  # lengths-only values: the offsets are the whole column
         values = store.values.new_empty((total, *store.values.shape[1:]))
-    elif ln.size and bool((st[1:] == st[:-1] + ln[:-1]).all()):
+    elif ln.size and not np.count_nonzero(st[1:] != st[:-1] + ln[:-1]):
         s0 = int(st[0])  # rows written together: one slice instead of a gather
         if views:
             values = store.values[s0 : s0 + total]
             store.viewed = True
         else:
             values = _clone(store.values[s0 : s0 + total])
-    elif pos.size and total >= _SLICE_GATHER_MIN_MEAN * pos.size:
-        # long sequences (the usual case for tokens): one slice per row and one copy beats a per-token index
+    elif ln.size and total >= _SLICE_GATHER_MIN_MEAN * ln.size:
+        # long sequences (the usual case for tokens): one slice per run of touching rows and one copy beats a
+        # per-token index. On the CPU the slices and the copy are numpy's (a numpy slice costs a tenth of a
+        # torch one, and np.concatenate is one single-threaded memcpy per run into the output)
         vals = store.values
         values = vals.new_empty((total, *vals.shape[1:]))
-        at = 0
-        for a, n in zip(st.tolist(), ln.tolist(), strict=True):
-            _copy_into(values[at : at + n], vals[a : a + n])
-            at += n
+        lo, hi = _runs(st, ln)
+        arr = store.np_values
+        if arr is not None:
+            np.concatenate([arr[a:b] for a, b in zip(lo, hi, strict=True)], out=values.numpy())
+        else:
+            at = 0
+            for a, b in zip(lo, hi, strict=True):
+                _copy_into(values[at : at + b - a], vals[a:b])
+                at += b - a
     else:
         values = take(store.values, torch.from_numpy(_segment_index(st, ln)).to(device))
-    return RaggedTensor(values, offsets if values.device.type == "cpu" else offsets.to(values.device))
+    # offsets are the cumulative sum of stored lengths and values hold exactly their total: valid by construction
+    return RaggedTensor._trusted(values, offsets if values.device.type == "cpu" else offsets.to(values.device))

@@ -57,6 +57,17 @@ class Batch(Mapping[str, Column]):
         self._num_rows = distinct.pop() if distinct else 0
         self.row_ids = row_ids
 
+    @classmethod
+    def _trusted(cls, columns: dict[str, Column], row_ids: torch.Tensor | None, num_rows: int) -> Batch:
+        """Internal: a batch of ``columns`` (a dict the batch takes over) that the caller knows to hold
+        ``num_rows`` rows each, ``row_ids`` a 1-D int64 tensor of as many (or None), without the checks of
+        :meth:`__init__`. For the store's reads, which built every column for those rows itself."""
+        out = object.__new__(cls)
+        out._columns = columns
+        out._num_rows = num_rows
+        out.row_ids = row_ids
+        return out
+
     # Mapping protocol
     def __getitem__(self, name: str) -> Column:
         try:

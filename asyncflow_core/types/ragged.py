@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncflow_core.errors import BatchError
@@ -51,6 +52,19 @@ class RaggedTensor:
         if o.size > 1 and bool((o[1:] < o[:-1]).any()):
             raise BatchError("offsets must be non-decreasing")
 
+    @classmethod
+    def _trusted(cls, values: torch.Tensor, offsets: torch.Tensor) -> RaggedTensor:
+        """Internal: wrap ``values`` and ``offsets`` that the caller built itself and knows to be valid (1-D
+        int64 offsets from 0, non-decreasing, ending at ``values.shape[0]``), without the checks above.
+
+        For the store's reads, whose offsets are a cumulative sum of its own lengths; every public way of
+        building a ragged tensor keeps its checks."""
+        out = object.__new__(cls)
+        d = out.__dict__  # frozen: fields are set the way dataclasses' own __init__ sets them
+        d["values"] = values
+        d["offsets"] = offsets
+        return out
+
     # -- construction -------------------------------------------------------
 
     @classmethod
@@ -84,6 +98,18 @@ class RaggedTensor:
     def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor | Sequence[int]) -> RaggedTensor:
         """Wrap already-packed ``values`` split by per-sequence ``lengths``."""
         lengths_t = torch.as_tensor(lengths, dtype=torch.int64)
+        if lengths_t.dim() == 1 and lengths_t.device.type == "cpu":
+            # numpy on the CPU: no torch dispatch per step (the driver builds one of these per column per flush)
+            ln = lengths_t.numpy()
+            if np.count_nonzero(ln < 0):
+                raise BatchError("lengths must be a 1-D tensor of non-negative integers")
+            offs = np.empty(ln.size + 1, dtype=np.int64)
+            offs[0] = 0
+            np.add.accumulate(ln, out=offs[1:])
+            offsets = torch.from_numpy(offs)
+            if values.dim() and int(offs[-1]) == values.shape[0]:
+                return cls._trusted(values, offsets)  # from 0, non-decreasing (lengths >= 0), ends at the values
+            return cls(values, offsets)  # raises the checks' own error
         if lengths_t.dim() != 1 or bool((lengths_t < 0).any()):
             raise BatchError("lengths must be a 1-D tensor of non-negative integers")
         offsets = torch.zeros(lengths_t.numel() + 1, dtype=torch.int64)
@@ -202,6 +228,18 @@ class RaggedTensor:
         if len(dtypes) > 1:
             raise BatchError(f"cannot concatenate ragged tensors of different dtypes: {sorted(map(str, dtypes))}")
         values = torch.cat([p.values for p in parts])
+        if all(p.offsets.device.type == "cpu" for p in parts):
+            # offsets joined in numpy (each part's shifted by the values before it), no torch op per part
+            pieces = [p.offsets.numpy() for p in parts]
+            offs = np.empty(sum(o.size for o in pieces) - len(pieces) + 1, dtype=np.int64)
+            offs[0] = 0
+            at, base = 1, 0
+            for o in pieces:
+                k = o.size - 1
+                np.add(o[1:], base - int(o[0]), out=offs[at : at + k])
+                at += k
+                base += int(o[-1]) - int(o[0])
+            return RaggedTensor(values, torch.from_numpy(offs))  # checked as any construction is
         lengths = torch.cat([p.lengths for p in parts])
         return RaggedTensor.from_lengths(values, lengths)
 
