@@ -274,3 +274,49 @@ def test_the_screened_search_picks_the_full_sweeps_best_on_a_small_config():
     w = workload(resolve(load_config(EXAMPLE, SMALL)))
     for row in full.rows:
         assert row["samples_per_s"] <= 0.9 * work_bound_samples_per_s(w, Candidate(**row["candidate"])), row["label"]
+
+
+def test_the_walk_steps_over_one_worse_node_along_the_split(monkeypatch):
+    """Issue 19 at 128 devices: along the split at k = 4 the measure dips one node past the best screened
+    placement (64r 102, 72r 85, 80r 122), and a walk that stops at the first worse node picks 0.84 of the best.
+    Made-up rates of that shape, with and without cut-offs: the walk steps over the dip, and two worse nodes in a
+    row end it on that side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncflow_core.cli import plan as P
+
+    space = {"devices": 128, "node_size": 8, "max_k": 4, "replicas_per_node": (1, 2)}  # 8- and 4-device replicas
+    every = candidates(**space)
+    line = {48: 60.0, 56: 90.0, 64: 100.0, 72: 85.0, 80: 120.0, 88: 95.0, 96: 70.0, 104: 110.0}
+
+    def rate(c: Candidate) -> float:
+        on_line = c.k == 4 and not c.colocated and c.devices_per_replica == 8
+        return line.get(c.rollout_devices, 40.0) if on_line else 50.0
+
+    start = Candidate(4, False, 64, 64, 8)
+    estimate = {c: 1.0 if c == start else 2.0 + (c.k + c.trainer_devices / 8) / 100 for c in every}
+
+    def fake(raw, overrides, c, steps, floor=None):
+        r = rate(c)
+        if floor is not None and r < floor:
+            return {"samples_per_s": (r + floor) / 2, "cut_off": True, "measured_steps": steps}
+        return {"samples_per_s": r, "cut_off": False, "measured_steps": steps}
+
+    monkeypatch.setattr(P, "simulate", fake)
+    seen_rate = {c: rate(c) for c in every}
+    got = P.beyond_worse_split(start, {c: None for c in every if c.rollout_devices in (56, 72)}, seen_rate.get,
+                               node_size=8)
+    assert got == [Candidate(4, False, 80, 48, 8), Candidate(4, False, 48, 80, 8)]  # both sides dip: both beyond
+    better = {start: 100.0, Candidate(4, False, 72, 56, 8): 90.0, Candidate(4, False, 56, 72, 8): 101.0}
+    # 72r reads above 64r (the walk moves there instead): only the 56r side is stepped over
+    assert P.beyond_worse_split(start, better, better.get, node_size=8) == [Candidate(4, False, 80, 48, 8)]
+    assert P.beyond_worse_split(start, {}, seen_rate.get, node_size=8) == got  # neither side known: both
+    for cutoff in (False, True):
+        with ThreadPoolExecutor(2) as pool, P._Runner({}, [], 2, False, pool=pool) as runner:
+            done = P._search(runner, every, estimate, space, shortlist=1, finalists=3, measured_steps=3,
+                             cutoff=cutoff)
+        final = {c: r for c, r in done.items() if r["measured_steps"] == 3}
+        pick = max(final, key=lambda c: final[c]["samples_per_s"])
+        assert pick == Candidate(4, False, 48, 80, 8), cutoff  # 80r at 120: over the dip at 72r
+        screened = {c.rollout_devices for c in done if c.k == 4 and c.devices_per_replica == 8}
+        assert 96 in screened and 104 not in screened  # 88r and 96r both below 80r: the walk ends on that side

@@ -15,8 +15,9 @@ screens them with a closed-form step-time estimate built from the same
 latency models the simulator uses, then simulates in parallel on the
 virtual clock (the real runtime and store, lengths-only): the shortlist and
 the best placement of every bound for one step after the warm-up, better
-neighbours of the best, and finally the best few over ``--steps`` steps,
-which rank first. The estimate only decides what to simulate; the pick is
+neighbours of the best (stepping over one worse node along the split:
+:func:`beyond_worse_split`), and finally the best few over ``--steps``
+steps, which rank first. The estimate only decides what to simulate; the pick is
 the simulator's. ``--full`` simulates every candidate over ``--steps`` (the
 reference the screened search is checked against, docs/simulation.md).
 
@@ -450,7 +451,8 @@ def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None
 def _search(runner: _Runner, every: list[Candidate], estimate: dict[Candidate, float], space: dict[str, Any], *,
             shortlist: int, finalists: int, measured_steps: int, cutoff: bool) -> dict[Candidate, dict[str, Any]]:
     """Screened search: simulate the analytic shortlist for one step after the warm-up, walk to better
-    neighbours, then measure the best few over ``measured_steps`` and keep those rows for them.
+    neighbours (for up to ``_WALK_ROUNDS`` moves; along the split it steps over one worse node, see
+    :func:`beyond_worse_split`), then measure the best few over ``measured_steps`` and keep those rows for them.
 
     With ``cutoff``, a screening simulation stops once it cannot enter the best ``finalists`` screened so far,
     and a finalist once it cannot beat the best finalist so far (:meth:`_Runner.run`): the walk (which starts
@@ -461,19 +463,51 @@ def _search(runner: _Runner, every: list[Candidate], estimate: dict[Candidate, f
     def exact() -> list[float]:
         return [r["samples_per_s"] for r in seen.values() if not r["cut_off"]]
 
+    def rate(c: Candidate) -> float:
+        return seen[c]["samples_per_s"]
+
+    def screen(cands: list[Candidate]) -> None:
+        fresh = [c for c in dict.fromkeys(cands) if c not in seen]
+        if fresh:
+            seen.update(runner.run(fresh, 1, keep=keep, known=exact()))
+
     ranked = sorted(every, key=lambda c: estimate[c])
     seen = runner.run(list(dict.fromkeys(ranked[:shortlist] + _best_per_group(ranked))), 1, keep=keep)
-    for _ in range(2):  # walk to better neighbours of the best screened placement
-        best = max(seen, key=lambda c: seen[c]["samples_per_s"])
-        fresh = [n for n in neighbours(best, **space) if n not in seen]
-        if not fresh:
+    for _ in range(_WALK_ROUNDS):  # walk to better neighbours of the best screened placement
+        best = max(seen, key=rate)
+        # two nodes out along the split too, unless the node between is known to read better (the walk moves there)
+        screen(neighbours(best, **space) + beyond_worse_split(best, seen, rate, node_size=space["node_size"]))
+        if max(seen, key=rate) == best:
             break
-        seen.update(runner.run(fresh, 1, keep=keep, known=exact()))
-        if max(seen, key=lambda c: seen[c]["samples_per_s"]) == best:
-            break
-    top = sorted(seen, key=lambda c: -seen[c]["samples_per_s"])[:finalists]
+    top = sorted(seen, key=lambda c: -rate(c))[:finalists]
     seen.update(runner.run(top, measured_steps, keep=1 if cutoff else None))
     return seen
+
+
+#: rounds of the walk at most (each moves to a better screened placement or ends the walk)
+_WALK_ROUNDS = 2
+
+
+def beyond_worse_split(c: Candidate, seen: dict[Candidate, Any], rate: Any, *, node_size: int) -> list[Candidate]:
+    """The placements two nodes along the split from ``c`` on each side, unless the one node between them was
+    screened (in ``seen``) and reads at least ``c`` (``rate``): the walk steps over one worse split neighbour.
+    They are screened in the same batch as ``c``'s neighbours (that node's rate unknown yet), so the step over
+    adds no round of simulations, only at most two simulations per move.
+
+    Along the split the measure moves in steps, not smoothly: a node more for rollout changes the replica count
+    and so how a step's groups divide over the replicas, which of them outlive their window and are re-queued,
+    and the warm-up transient (issue 19 at 128 devices, k = 4, 8-device replicas, 3 steps: 64r 102.4, 72r 90.5,
+    80r 121.8). One worse node is within that noise; two in a row end the walk along that side."""
+    if c.colocated:
+        return []
+    out = []
+    for side in (-1, 1):
+        near, far = (Candidate(c.k, False, c.trainer_devices - side * m * node_size,
+                               c.rollout_devices + side * m * node_size, c.devices_per_replica) for m in (1, 2))
+        if ((near not in seen or rate(near) < rate(c)) and far.trainer_devices >= node_size
+                and far.rollout_devices >= node_size):
+            out.append(far)
+    return [f for f in out if f not in seen]
 
 
 def _best_per_group(ranked: list[Candidate]) -> list[Candidate]:
