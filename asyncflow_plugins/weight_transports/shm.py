@@ -32,7 +32,10 @@ Receivers take the shared lock, check the header's generation, map the
 segment (private, copy-on-write: a receiver writing its buffers never
 changes what others read) and hash it in place, span by span on the digest
 threads; every bucket's digest is compared before any is yielded, and the
-buckets yielded are views of the mapping (no copy). With ``reuse_buffers``
+buckets yielded are views of the mapping (no copy). A receiver keeps its
+mapping of each slot across versions (:class:`_Mapping`: no page faults or
+unmapping per version) and takes the shared lock per version, dropped when
+that version's last tensor goes. With ``reuse_buffers``
 off a receiver copies the payload into fresh memory instead (hashing each
 span right after copying it) and holds no lock once it returns. The
 sender unlinks its segments and the manifest on ``close()`` (and, as a
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import mmap
 import os
 import re
@@ -91,6 +95,7 @@ HEADER = struct.Struct("<4sQQQ")  # magic, generation, state, version
 HEADER_BYTES = 64
 MAGIC = b"AFWT"
 WRITING, READY = 0, 1
+MAPPINGS_KEPT = 2  #: segments a receiver keeps mapped across versions (the sender's two slots)
 
 _SEGMENT = re.compile(r"^asyncflow-wt-[A-Za-z0-9_.]{1,64}-(\d+)-[0-9a-f]{12}-[ab]\d+$")
 
@@ -137,6 +142,77 @@ def _unlink_all(paths: list[Path]) -> None:
             os.unlink(p)
 
 
+class _Mapping:
+    """A receiver's private mapping of one segment, kept across the versions the sender writes into it.
+
+    The page tables of a 2 GB mapping take a fault per 64 KiB to build and a
+    pass to tear down; a kept mapping pays that once per segment instead of
+    once per version. Its shared lock is taken per version (:meth:`lock`) and
+    dropped when the last tensor of that version goes (:meth:`_released`,
+    a finalizer on the array the version's tensors are made from), so the
+    sender may rewrite the segment exactly when nothing of the receiver uses
+    its bytes; the mapping (unlocked) stays for the next version in it.
+    """
+
+    def __init__(self, path: Path, fd: int, inode: int, size: int) -> None:
+        self.path = path
+        self.fd = fd  # kept open: the lock is taken and dropped on it (the mapping's duplicate shares it)
+        self.inode = inode
+        self.size = size
+        self.map: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.busy = False  #: a reader reserved it, or a version lent from it is alive (holding the shared lock)
+        self.closing = False  #: close when the version in use is released
+
+    def lock(self) -> bool:
+        """Take the shared lock for one version, without waiting; False while the sender writes the segment."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        return True
+
+    def unlock(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def named(self) -> bool:
+        """Whether the segment's name still names this file (the sender unlinks a segment it replaces)."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except FileNotFoundError:
+            return False
+
+    def lend(self, nbytes: int) -> torch.Tensor:
+        """The payload (``nbytes`` after the header) as a tensor, for a reader that holds the reservation and the
+        lock: both go when the tensor's last user (a view, a numpy array of it) does."""
+        assert self.map is not None
+        array = np.frombuffer(self.map, dtype=np.uint8, count=nbytes, offset=HEADER_BYTES)
+        weakref.finalize(array, _Mapping._released, self)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.from_numpy(array)
+
+    def _released(self) -> None:
+        self.unlock()  # first: a reader that sees ``busy`` off may lock at once
+        self.busy = False
+        if self.closing:
+            self.close()
+
+    def close(self) -> None:
+        """Unmap and close now, or (while a version is in use) when it is released."""
+        if self.busy:
+            self.closing = True
+            return
+        mapped, self.map = self.map, None
+        if mapped is not None:
+            with contextlib.suppress(BufferError, ValueError):
+                mapped.close()  # an export still being torn down: the object unmaps when it is collected
+        self.unlock()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = -1
+
+
 class ShmWeightTransport(WeightTransport):
     """Stages versions in two shared-memory segments; receivers in any local process map and verify them."""
 
@@ -158,6 +234,9 @@ class ShmWeightTransport(WeightTransport):
         self._map = self.config.reuse_buffers
         self._stats = {"in_place_bytes": 0, "copied_bytes": 0, "slots_held": 0}
         self._needed: int | None = None  # segment bytes the last staged version took: what allocator() lays out
+        # a receiver's kept mappings, by segment name (at most MAPPINGS_KEPT, those whose name is gone dropped)
+        self._mappings: dict[str, _Mapping] = {}
+        self._mappings_lock = threading.Lock()
         # unlinks the manifest files this sender wrote if close() is never called (GC or interpreter exit)
         self._owned: list[Path] = []
         self._finalizer = weakref.finalize(self, _unlink_all, self._owned)
@@ -408,24 +487,17 @@ class ShmWeightTransport(WeightTransport):
         path = self.dir / manifest.segment
         if "/" in manifest.segment or not manifest.segment.startswith(PREFIX):
             raise WeightTransferError(f"the shm manifest names an unexpected segment {manifest.segment!r}")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        if self._map and manifest.weights.total_bytes > 0:
+            kept = self._kept_mapping(path)
+            if kept is not None:
+                return self._read_kept(kept, manifest)
+        opened = self._open_owned(path)
+        if opened is None:
             return None
+        fd, st = opened
         try:
-            st = os.fstat(fd)
-            if st.st_uid != os.getuid():  # /dev/shm is world-writable: never take weights another user planted
-                raise WeightTransferError(
-                    f"shared-memory segment {manifest.segment} belongs to uid {st.st_uid}, not this user "
-                    f"({os.getuid()}); refusing it"
-                )
             size = st.st_size
-            needed = HEADER_BYTES + manifest.weights.total_bytes
-            if size < needed:
-                raise WeightTransferError(
-                    f"shared-memory segment {manifest.segment} holds {size} bytes, version "
-                    f"{manifest.weights.version} needs {needed}: a partial transfer"
-                )
+            self._check_size(manifest, size)
             # under the shared lock, which the mapping keeps (a duplicate of fd) until it unmaps
             mapped = map_shared(fd, size, private=self._map, writable=False)
         finally:
@@ -443,6 +515,102 @@ class ShmWeightTransport(WeightTransport):
         # (a version that fails its check leaves the mapping, and its lock, to the exception: gone with it)
         return self._map_out(mapped, manifest) if self._map else self._copy_out(mapped, manifest)
 
+    def _kept_mapping(self, path: Path) -> _Mapping | None:
+        """The kept mapping of the segment at ``path`` (made now if none is kept), reserved for one read (its
+        ``busy`` set); None while a version this receiver holds from it is in use (then it maps it anew), or
+        when there is no such file (the usual path reports it)."""
+        with self._mappings_lock:
+            for name, kept in list(self._mappings.items()):  # segments the sender replaced or removed: unmap
+                if not kept.busy and not kept.named():
+                    del self._mappings[name]
+                    kept.close()
+            kept = self._mappings.get(path.name)
+            if kept is not None:
+                if kept.busy:
+                    return None
+                kept.busy = True
+                return kept
+            opened = self._open_owned(path)
+            if opened is None:
+                return None
+            fd, st = opened
+            try:
+                kept = _Mapping(path, fd, st.st_ino, st.st_size) if st.st_size > HEADER_BYTES else None
+            except BaseException:
+                os.close(fd)
+                raise
+            if kept is None:
+                os.close(fd)
+                return None
+            if len(self._mappings) >= MAPPINGS_KEPT:  # keep the newest few: drop an idle one
+                idle = next((n for n, m in self._mappings.items() if not m.busy), None)
+                if idle is not None:
+                    self._mappings.pop(idle).close()
+            self._mappings[path.name] = kept
+            kept.busy = True
+            return kept
+
+    def _read_kept(self, kept: _Mapping, manifest: ShmManifest, *, again: bool = True) -> list[WeightBucket] | None:
+        """One version out of a kept mapping (reserved): shared lock, size and header, hash in place, views of
+        it; ``None``: the sender is rewriting it, read the new manifest."""
+        locked = lent = False
+        try:
+            if not kept.lock():
+                return None  # the sender is writing it (a newer version than this manifest): read the new manifest
+            locked = True
+            self._check_size(manifest, min(os.fstat(kept.fd).st_size, kept.size))
+            # the file's header, not the mapping's: a page this receiver wrote is its own copy (copy-on-write)
+            if not self._header_matches(os.pread(kept.fd, HEADER.size, 0), manifest):
+                return None
+            payload = kept.lend(manifest.weights.total_bytes)  # the lock now goes with the payload's last user
+            lent = True
+        finally:
+            if not lent:  # give the reservation (and the lock, if taken) back
+                if locked:
+                    kept.unlock()
+                kept.busy = False
+        try:
+            return self._hash_in_place(manifest, payload)
+        except WeightTransferError:
+            if not again:
+                raise
+            # the bytes do not match: drop this mapping (pages of it written here would have been kept by
+            # copy-on-write) and check once more through a fresh one; a real corruption fails there too
+            payload = None
+            with self._mappings_lock:
+                if self._mappings.get(kept.path.name) is kept:
+                    del self._mappings[kept.path.name]
+            kept.close()  # now, or when the failed version's last view goes
+            fresh = self._kept_mapping(kept.path)
+            if fresh is None:
+                raise
+            return self._read_kept(fresh, manifest, again=False)
+
+    @staticmethod
+    def _open_owned(path: Path) -> tuple[int, os.stat_result] | None:
+        """A read-only descriptor of the segment at ``path`` and its stat; None when there is no such file."""
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():  # /dev/shm is world-writable: never take weights another user planted
+            os.close(fd)
+            raise WeightTransferError(
+                f"shared-memory segment {path.name} belongs to uid {st.st_uid}, not this user "
+                f"({os.getuid()}); refusing it"
+            )
+        return fd, st
+
+    @staticmethod
+    def _check_size(manifest: ShmManifest, size: int) -> None:
+        needed = HEADER_BYTES + manifest.weights.total_bytes
+        if size < needed:
+            raise WeightTransferError(
+                f"shared-memory segment {manifest.segment} holds {size} bytes, version "
+                f"{manifest.weights.version} needs {needed}: a partial transfer"
+            )
+
     def _map_out(self, mapped: mmap.mmap, manifest: ShmManifest) -> list[WeightBucket]:
         """Buckets that are views of the mapping, each hashed in place first (the lock keeps the sender out)."""
         weights = manifest.weights
@@ -454,6 +622,11 @@ class ShmWeightTransport(WeightTransport):
                 warnings.simplefilter("ignore")
                 # the tensor keeps the mmap object (and so the mapping and its lock) alive until its last user goes
                 payload = torch.frombuffer(mapped, dtype=torch.uint8, count=weights.total_bytes, offset=HEADER_BYTES)
+        return self._hash_in_place(manifest, payload)
+
+    def _hash_in_place(self, manifest: ShmManifest, payload: torch.Tensor) -> list[WeightBucket]:
+        """Hash the mapped ``payload`` span by span on the digest threads and yield views of it once it matches."""
+        weights = manifest.weights
         source = payload.numpy()
         jobs = [(i, e.offset + a, e.offset + b)
                 for i, e in enumerate(weights.buckets) for a, b in digest_spans(e.nbytes)]
@@ -501,7 +674,7 @@ class ShmWeightTransport(WeightTransport):
         return buckets
 
     @staticmethod
-    def _header_matches(mapped: mmap.mmap, manifest: ShmManifest) -> bool:
+    def _header_matches(mapped: mmap.mmap | bytes, manifest: ShmManifest) -> bool:
         magic, generation, state, version = HEADER.unpack_from(mapped, 0)
         if magic != MAGIC:
             raise WeightTransferError(f"shared-memory segment {manifest.segment} has no asyncflow header")
@@ -516,6 +689,10 @@ class ShmWeightTransport(WeightTransport):
         await asyncio.to_thread(self._close_sync)
 
     def _close_sync(self) -> None:
+        with self._mappings_lock:
+            for kept in self._mappings.values():
+                kept.close()  # a version still in use keeps its mapping (and lock) until its last view goes
+            self._mappings.clear()
         with self._lock:
             self._slots.clear()
             self._keeper.close()
