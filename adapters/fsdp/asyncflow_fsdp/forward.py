@@ -11,12 +11,14 @@ is applied in float32.
 The head runs in chunks of tokens: for each chunk, hidden states -> logits
 -> log-probs -> the target's log-prob, so the float32 ``[tokens, vocab]``
 logits (600 KB per token at a 151,936-word vocabulary) exist for one chunk
-at a time and never for the whole micro-batch. Under autograd each chunk is
-recomputed in backward (``torch.utils.checkpoint``), so neither the logits
-nor their gradient is kept between forward and backward; the price is one
-more head matmul per chunk in backward. The chunked head stands in for the
-head's ``forward`` during the model's own call, so FSDP sees the same
-forward as before (the head is part of the root unit). Models whose forward
+at a time and never for the whole micro-batch. Under autograd, with more
+than one chunk, each chunk is recomputed in backward
+(``torch.utils.checkpoint``), so neither the logits nor their gradient is
+kept between forward and backward; the price is one more head matmul per
+chunk in backward. A single chunk is kept instead: the head is the
+forward's last op and the backward's first, so keeping it raises no peak.
+The chunked head stands in for the head's ``forward`` during the model's
+own call, so FSDP sees the same forward as before (the head is part of the root unit). Models whose forward
 changes the head's output (e.g. logit soft-capping) are found by a probe on
 first use and take the whole-logits path.
 
@@ -386,7 +388,11 @@ class _TargetLogprobs:
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         h = hidden_states[self.row, self.column]  # [targets, hidden]
-        recompute = torch.is_grad_enabled() and (h.requires_grad or self.head_trains)
+        # recompute in backward only with more than one chunk: the head is the forward's last op and the backward's
+        # first, so one chunk's logits kept (instead of recomputed) raise no peak, and the recompute (an extra head
+        # forward and the checkpoint's hooks) is pure cost: a few per cent of the example's rank step
+        recompute = (h.shape[0] > self.chunk and torch.is_grad_enabled()
+                     and (h.requires_grad or self.head_trains))
         pieces = []
         for start in range(0, max(h.shape[0], 1), self.chunk):  # an empty pass still runs one (empty) chunk
             hc, tc = h[start : start + self.chunk], self.targets[start : start + self.chunk]

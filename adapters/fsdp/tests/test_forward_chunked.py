@@ -253,7 +253,7 @@ def test_chunked_head_on_cuda_in_bfloat16_matches_the_whole_path():
     lay = layout(*rows(seed=5))
     weights = torch.linspace(-1.0, 1.0, lay.targets.numel(), device=device)
     out = {}
-    for chunk in (0, tokens_bytes(1)):
+    for chunk in (0, tokens_bytes(1), None):  # None: the default budget, one chunk kept (not recomputed) here
         net.zero_grad(set_to_none=True)
         lp, _ = score(net.eval(), lay, device=device, temperature=1.0, top_p=1.0, top_k=-1, chunk_bytes=chunk)
         assert lp.dtype == torch.float32
@@ -261,18 +261,21 @@ def test_chunked_head_on_cuda_in_bfloat16_matches_the_whole_path():
         out[chunk] = lp.detach(), {n: p.grad.float() for n, p in net.named_parameters()}
     with torch.no_grad():
         largest = float(net(input_ids=lay.input_ids.to(device)).logits.float().abs().max())
-    (lp0, g0), (lp1, g1) = out[0], out[tokens_bytes(1)]
-    assert float((lp1 - lp0).abs().max()) <= 2 * 2 * BF16_UNIT_ROUNDOFF * largest
-    for name, g in g0.items():
-        assert float((g1[name] - g).abs().max()) <= 2 * bf16_relative_error(LAYERS) * float(g.abs().max()), name
+    lp0, g0 = out[0]
+    for chunk in (tokens_bytes(1), None):
+        lp1, g1 = out[chunk]
+        assert float((lp1 - lp0).abs().max()) <= 2 * 2 * BF16_UNIT_ROUNDOFF * largest, chunk
+        for name, g in g0.items():
+            assert float((g1[name] - g).abs().max()) <= 2 * bf16_relative_error(LAYERS) * float(g.abs().max()), name
 
 
 def _largest_saved_logits(net: torch.nn.Module, lay, chunk: int | None) -> int:
     """Rows of the largest vocabulary-wide tensor autograd keeps from forward to backward."""
     rows_kept = [0]
+    weights = {p.untyped_storage().data_ptr() for p in net.parameters()}  # the head's weight (or its transpose)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() >= 1 and t.shape[-1] == VOCAB and not isinstance(t, torch.nn.Parameter):
+        if t.dim() >= 1 and t.shape[-1] == VOCAB and t.untyped_storage().data_ptr() not in weights:
             rows_kept[0] = max(rows_kept[0], t.numel() // VOCAB)
         return t
 
@@ -290,6 +293,27 @@ def test_only_the_whole_path_keeps_the_micro_batchs_logits_for_backward():
     tokens = lay.targets.numel()
     assert _largest_saved_logits(net, lay, 0) >= tokens
     assert _largest_saved_logits(net, lay, tokens_bytes(2)) == 0
+
+
+def test_a_single_chunk_is_kept_not_recomputed(monkeypatch):
+    """One chunk (the micro-batch's targets fit the budget) is kept for backward instead of recomputed: the head is
+    the forward's last op and the backward's first, so keeping it raises no peak. What it keeps stays within the
+    budget's one chunk, and more than one chunk still recomputes each."""
+    net = model("lora")
+    lay = layout(*rows())
+    tokens = lay.targets.numel()
+    calls = [0]
+    real = forward.checkpoint
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "checkpoint", counting)
+    assert 0 < _largest_saved_logits(net, lay, tokens_bytes(tokens)) <= tokens
+    assert calls[0] == 0
+    assert _largest_saved_logits(net, lay, tokens_bytes(tokens - 1)) == 0
+    assert calls[0] == 2
 
 
 # ------------------------------------------------------------------ the layout (one scatter, no per-row loop)
