@@ -3,7 +3,7 @@
 Usage: python benchmarks/profile_step.py [--sizes 0.1M,10M,100M,0.5B] [--steps N] [--warmup W] [--cooldown C]
                                          [--checkpoint-every K] [--logprob-stages] [--json] [--png PATH]
                                          [--out runs/profile_step] [override ...]
-       python benchmarks/profile_step.py --rank-step [--repeats R] [--json]
+       python benchmarks/profile_step.py --rank-step [--rank-settings NAMES] [--repeats R] [--json]
 
 Each size is a real run of ``examples/arithmetic_grpo.yaml`` (``one_step``,
 the ``local`` launcher, the ``torch`` rollout engine, the ``fsdp`` trainer at
@@ -63,7 +63,8 @@ tokens, one micro-batch, one torch thread), per :data:`RANK_SETTINGS`
 default, each prompt once (``share_prompts``); ``floor``: no rank, a plain
 Hugging Face forward + backward + AdamW step of the same model on the
 same rectangle). Each repetition runs every setting in turn and takes the
-median of 10 steps after 2 warm-up steps.
+median of 10 steps after 2 warm-up steps. ``--rank-settings auto+shared``
+(comma-separated names; default all) measures only the settings named.
 
 ``--logprob-stages`` adds ``algorithm.options.correction=decoupled`` and
 ``kl_coef=0.001`` so the ``old`` and ``ref`` log-prob stages run (the
@@ -735,8 +736,9 @@ def _floor_step(example: dict[str, Any], batch: Any) -> Any:
     return step
 
 
-def rank_step(repeats: int) -> dict[str, Any]:
-    """CPU seconds of a world-1 rank's train step per setting of :data:`RANK_SETTINGS` (see the module docstring)."""
+def rank_step(repeats: int, settings: list[str] | None = None) -> dict[str, Any]:
+    """CPU seconds of a world-1 rank's train step per setting of :data:`RANK_SETTINGS` (see the module docstring),
+    only those named in ``settings`` (default: all)."""
     import torch
     import yaml
 
@@ -749,7 +751,7 @@ def rank_step(repeats: int) -> dict[str, Any]:
     algorithm = GRPO(GRPOConfig(**example["algorithm"]["options"]))
     payload = train_payload(batch, algorithm)
     options = {"model": example["model"], **example["trainer"]["options"], "device": "cpu", "cpu_threads_per_rank": 1}
-    medians: dict[str, list[float]] = {k: [] for k in RANK_SETTINGS}
+    medians: dict[str, list[float]] = {k: [] for k in (settings or RANK_SETTINGS)}
 
     def median_cpu(step: Any) -> float:
         for _ in range(2):
@@ -762,7 +764,8 @@ def rank_step(repeats: int) -> dict[str, Any]:
         return sorted(cpu)[len(cpu) // 2]
 
     for _ in range(repeats):
-        for name, setting in RANK_SETTINGS.items():
+        for name in medians:
+            setting = RANK_SETTINGS[name]
             if setting is None:
                 medians[name].append(median_cpu(_floor_step(example, batch)))
                 continue
@@ -788,6 +791,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank-step", action="store_true",
                    help="only the CPU time of a world-1 rank's train step per setting, and the floor (docstring)")
     p.add_argument("--repeats", type=int, default=4, help="--rank-step: interleaved repetitions per setting")
+    p.add_argument("--rank-settings", default=",".join(RANK_SETTINGS),
+                   help=f"--rank-step: comma-separated settings to measure, from {','.join(RANK_SETTINGS)}")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: profile one size in this process
     p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every size")
     a = p.parse_args(argv)
@@ -796,7 +801,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.rank_step:
         if a.repeats < 1:
             p.error("--repeats must be >= 1")
-        res = rank_step(a.repeats)
+        settings = [x for x in a.rank_settings.split(",") if x]
+        if not settings or any(x not in RANK_SETTINGS for x in settings):
+            p.error(f"--rank-settings {a.rank_settings!r}: choose from {','.join(RANK_SETTINGS)} (comma-separated)")
+        res = rank_step(a.repeats, list(dict.fromkeys(settings)))
         if a.json:
             print(json.dumps(res))
         else:
