@@ -63,8 +63,11 @@ def make_scripted() -> Scripted:
 class Replayable(Environment):
     """Declares ``restore: replay``; kills its worker process on demand, once (tests/flow/test_episode_recovery.py).
 
-    Record keys: ``turns`` (steps until done), ``dir`` (a folder the episodes share). Every step 0 touches
-    ``dir/stepped-<index>``. The row with ``exit_at`` waits at that turn until ``others`` rows have stepped, then,
+    Record keys: ``turns`` (steps until done), ``dir`` (a folder the episodes share). Every step 1 touches
+    ``dir/at1-<index>`` as it starts: that row's step 0 answer has reached the driver (which sent step 1 after it),
+    so step 0 is recorded. The row with ``exit_at`` (1) waits there until ``others`` other rows are there too (a
+    marker at step 0 would race: a step 0 that had started may not have answered when the process dies, and its
+    replay is then a bare reset, which matches whatever the rebuilt environment says), then,
     while ``dir/flag`` exists, removes it (so its replay does not exit again) and ``os._exit``s: every environment
     in the process is lost. Until the flag is gone the other rows wait at their step 1 (still open when it dies).
     The exit first creates ``dir/exited``: an environment of a ``diverge`` row reset after that (a rebuild) adds
@@ -100,10 +103,10 @@ class Replayable(Environment):
         rec, turn = self.record, action.turn
         folder = Path(rec["dir"])
         flag = folder / "flag"
-        if turn == 0:
-            (folder / f"stepped-{rec['index']}").touch()
+        if turn == 1:
+            (folder / f"at1-{rec['index']}").touch()
         if rec.get("exit_at") == turn and flag.exists():
-            await self._wait(lambda: len(list(folder.glob("stepped-*"))) >= rec.get("others", 0) + 1)
+            await self._wait(lambda: len(list(folder.glob("at1-*"))) >= rec.get("others", 0) + 1)
             (folder / "exited").touch()
             flag.unlink()
             os._exit(3)
