@@ -56,6 +56,20 @@ class RewardSpec(BackendSpec):
         assert [ok for ok, _ in answers] == [True] * len(self.samples), answers
         assert [v for _, v in answers] == [run(self._score(reward, s)) for s in self.samples]
 
+    def test_a_local_reward_scores_synchronously(self, make_backend):
+        """``local`` on: the rollout stage's write calls ``score`` inline (``reward.inline``), so it must return
+        its value, not an awaitable. Off: nothing to check. Fix: make ``score`` synchronous, or leave ``local``
+        off (the reward stage then scores it, with ``reward.workers`` and ``reward.timeout_s``)."""
+        reward: Reward = make_backend()
+        if not reward_features(reward).local:
+            return
+        for sample in self.samples:
+            value = reward.score(sample)
+            if inspect.isawaitable(value):
+                if inspect.iscoroutine(value):
+                    value.close()
+                raise AssertionError("RewardFeatures.local is on but score() returned an awaitable")
+
     def test_a_reward_that_reads_no_text_scores_token_ids(self, make_backend):
         """``needs_text`` off: the reward stage passes empty text; the reward must score from the token ids
         (and metadata) alone. On: nothing to check here (text is always given)."""

@@ -119,3 +119,16 @@ def test_inline_and_stage_score_and_fail_rows_alike(inline, tmp_path, monkeypatc
     assert led["trained"] + led["dropped"] + led["unfinished"] == led["admitted"]
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["reward_mean"] == 1.0 for r in records)  # every trained row has the reward it was scored
+
+
+def test_the_spec_fails_a_reward_that_declares_local_but_scores_asynchronously():
+    from asyncflow_spec.reward import RewardSpec
+
+    class AsyncLocal:
+        local = True
+
+        async def score(self, sample):
+            return 1.0
+
+    with pytest.raises(AssertionError, match="local is on but score"):
+        RewardSpec().test_a_local_reward_scores_synchronously(lambda: AsyncLocal())
