@@ -48,6 +48,8 @@ def _oldest(candidates: Candidates, request: SampleRequest) -> torch.Tensor | No
 class FifoSampler(Sampler):
     """Oldest rows first; a DP group's pick is split into contiguous, near-equal chunks."""
 
+    takes_oldest = True  #: a single-rank pick is the oldest rows (see Sampler.takes_oldest): the store skips it
+
     def __init__(self, config: BaseModel | None = None) -> None:
         pass
 
@@ -181,6 +183,8 @@ class TokenBalancedSampler(Sampler):
     every rank's call). Rank ``dp_rank`` gets part ``dp_rank``; parts are
     ordered largest first, each in arrival order.
     """
+
+    takes_oldest = True  #: balancing is across DP ranks only; a single-rank pick is the oldest rows
 
     def __init__(self, config: TokenBalancedConfig | None = None) -> None:
         self.equal_size = (config or TokenBalancedConfig()).equal_size

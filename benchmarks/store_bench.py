@@ -1,7 +1,7 @@
 """Streaming store benchmark: put+get throughput, get_meta latency and loop rows/s per deployment.
 
     PYTHONPATH=.:spec python benchmarks/store_bench.py [--quick] [--json]
-        [--deployments inprocess,multiprocess,ray] [--sizes 1,16,128] [--repeats 5]
+        [--deployments inprocess,multiprocess,ray] [--sizes 1,16,128] [--repeats 5] [--warmup ROUNDS]
 
 A batch is what one RL step writes: rows of ragged int64 token ids plus
 float32 per-token log-probs (1024 tokens per row, 12 bytes per token).
@@ -10,7 +10,10 @@ rows; GB/s counts the batch's bytes once over that whole loop. The physical
 reference is a plain torch copy of the same bytes (``memcpy_gbps``: into a
 preallocated buffer; the table also shows a copy into fresh memory,
 ``clone``). Ray's object store peer is ``ray.get(ray.put(tensors))``.
-Medians over ``--repeats``. Deployments not implemented in this tree are
+Medians over ``--repeats``, after ``--warmup`` rounds that are not counted
+(default: 16 MB worth of batches, at least one: a 1 MB loop runs 1.5-3x its
+steady time for its first ten rounds here, while caches and the core's clock
+warm up). Deployments not implemented in this tree are
 listed as such, never estimated.
 
 ``--fixed-cost N`` adds the in-process store's per-call fixed cost: the same
@@ -154,7 +157,12 @@ def _join_distributed_world() -> None:
     atexit.register(stop)
 
 
-async def throughput(deployment: str, batch_mb: int, repeats: int) -> dict[str, Any]:
+def warmup_rounds(batch_mb: int, warmup: int | None) -> int:
+    """Uncounted rounds before a throughput figure: ``warmup``, or 16 MB worth of batches (at least one)."""
+    return max(1, 16 // max(1, batch_mb)) if warmup is None else warmup
+
+
+async def throughput(deployment: str, batch_mb: int, repeats: int, warmup: int | None = None) -> dict[str, Any]:
     batch = make_batch(batch_mb)
     nbytes = batch_bytes(batch)
     rows = len(batch["response_ids"])
@@ -163,7 +171,8 @@ async def throughput(deployment: str, batch_mb: int, repeats: int) -> dict[str, 
         await store.register_task("rollout", produces=list(batch))
         await store.register_task("train", consumes=list(batch))
         times = []
-        for i in range(repeats + 1):  # the first round warms pages and caches, and is not counted
+        skip = warmup_rounds(batch_mb, warmup)
+        for i in range(skip + repeats):  # the warm-up rounds warm pages and caches, and are not counted
             t = time.perf_counter()
             await store.put(batch)
             meta = await store.get_meta("train", list(batch), rows, timeout=60)
@@ -171,10 +180,11 @@ async def throughput(deployment: str, batch_mb: int, repeats: int) -> dict[str, 
             await store.ack(meta)
             dt = time.perf_counter() - t
             del got
-            if i:
+            if i >= skip:
                 times.append(dt)
         dt = median(times)
-        return {"deployment": deployment, "batch_mb": batch_mb, "gbps": nbytes / dt / 1e9, "rows_per_s": rows / dt}
+        return {"deployment": deployment, "batch_mb": batch_mb, "gbps": nbytes / dt / 1e9, "rows_per_s": rows / dt,
+                "ms_per_loop": dt * 1e3, "warmup": skip}
     finally:
         await store.close()
 
@@ -276,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,16,128", help="batch sizes in MB, comma-separated")
     p.add_argument("--table-rows", default="10000,100000,1000000", help="rows in the table for get_meta latency")
     p.add_argument("--repeats", type=int, default=5, help="measured repeats per figure (median reported)")
+    p.add_argument("--warmup", type=int, default=None, metavar="ROUNDS",
+                   help="uncounted put+get rounds before each throughput figure (default: 16 MB worth, at least 1)")
     p.add_argument("--no-ray-peer", action="store_true", help="skip Ray's object store peer")
     p.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object instead of a table")
@@ -293,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     for dep in deployments:
         try:
             for mb in sizes:
-                results.append(asyncio.run(throughput(dep, mb, repeats)))
+                results.append(asyncio.run(throughput(dep, mb, repeats, a.warmup)))
             for n in table_rows:
                 latencies.append(asyncio.run(get_meta_latency(dep, n, samples)))
         except NotImplementedError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,6 +50,24 @@ class Sampler(abc.ABC):
     function of its inputs (and its own seeded state), so that a replayed run
     makes the same choices.
     """
+
+    #: Declares that, for a single-rank request (``dp_size == 1``), :meth:`sample` returns the positions
+    #: ``0 .. k - 1`` with ``k = min(len(candidates), batch_size)`` (the oldest candidates), and an empty
+    #: tensor when there is no candidate or fewer than ``batch_size`` without ``partial``; that is, its pick
+    #: depends on nothing but the number of candidates. A store may then lease the oldest eligible rows
+    #: without building :class:`Candidates` or calling :meth:`sample` (a DP request still calls it). A
+    #: subclass whose :meth:`sample` is not the declaring class's own or inherited one (it overrides it, or
+    #: a base before it in the MRO brings another) gets False unless it sets this in its own class body.
+    takes_oldest: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "takes_oldest" in cls.__dict__ or not cls.takes_oldest:
+            return
+        declared = next(k for k in cls.__mro__ if "takes_oldest" in k.__dict__)
+        picks = next((k for k in cls.__mro__ if "sample" in k.__dict__), None)
+        if picks not in declared.__mro__:  # the MRO, not issubclass: ABCMeta's check is not settled in here
+            cls.takes_oldest = False  # another pick: the declaration of the class it came from no longer holds
 
     @abc.abstractmethod
     def sample(self, candidates: Candidates, request: SampleRequest) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -38,6 +38,22 @@ class BatchMeta:
 
     def __len__(self) -> int:
         return int(self.row_ids.numel())
+
+    @classmethod
+    def _trusted(cls, **values: Any) -> BatchMeta:
+        """Internal: ``BatchMeta(**values)`` (this dataclass checks nothing) without a frozen dataclass's
+        ``object.__setattr__`` per field; the store builds one per put and per lease. Fields left out take
+        their defaults."""
+        out = object.__new__(cls)
+        d = out.__dict__
+        d.update(_META_DEFAULTS)
+        d["extra"] = {}
+        d.update(values)
+        return out
+
+
+#: BatchMeta's field defaults (``extra``'s factory aside), for :meth:`BatchMeta._trusted`
+_META_DEFAULTS = {f.name: f.default for f in fields(BatchMeta) if f.default is not MISSING}
 
 
 class StreamStore(abc.ABC):

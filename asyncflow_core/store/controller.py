@@ -80,6 +80,7 @@ from asyncflow_core.store.errors import (
     UnknownColumnError,
     UnknownRowError,
 )
+from asyncflow_core.store.indexing import count_nonzero
 
 FREE, LEASED, DONE = 0, 1, 2
 _BITS_PER_WORD = 63  # keep clear of the sign bit so masks stay plain positive Python ints
@@ -154,7 +155,7 @@ def has_repeats(ids: torch.Tensor | np.ndarray) -> bool:
     a = ids if isinstance(ids, np.ndarray) else ids.numpy() if ids.device.type == "cpu" else ids.cpu().numpy()
     if a.size < 2:
         return False
-    if not np.count_nonzero(a[1:] <= a[:-1]):
+    if not count_nonzero(a[1:] <= a[:-1]):
         return False
     return np.unique(a).size != a.size
 
@@ -512,7 +513,7 @@ class Controller:
             return a.astype(np.int64, copy=False)
         memo = self._slots_memo
         if (memo is not None and memo[0] == self._slots_gen and memo[1].size == a.size
-                and not np.count_nonzero(memo[1] != a)):
+                and not count_nonzero(memo[1] != a)):
             return memo[2]
         # numpy: a handful of small-array ops on the calling thread, where each torch call would cost a dispatch
         # and a release of the GIL that the rollout engine's thread takes (docs/performance.md)
@@ -930,6 +931,10 @@ class Controller:
         ended = self.stream_ended(partition)
         if slots.size == 0 and not partial and not ended:
             return None  # nothing to hand out and nothing to decide (most attempts of a waiting stage)
+        if dp_size == 1 and getattr(smp, "takes_oldest", False) is True:
+            # the sampler declares its pick is the oldest rows (Sampler.takes_oldest): no candidates to build
+            return self._lease_oldest(task, t, columns, slots, ended, batch_size, min_version, partition, partial,
+                                      consumer, lease_s, now)
         cands = self._candidates(slots)
         parts = self._sample(smp, cands, batch_size, partial, dp_size)
         if not any(p.numel() for p in parts) and ended:
@@ -944,8 +949,7 @@ class Controller:
         if not (parts[0].numel() if dp_size == 1 else any(p.numel() for p in parts)):
             return None
         if dp_size == 1:
-            return self._grant(task, columns, slots[parts[0].numpy()], consumer, lease_s, now, cands, parts[0],
-                               dp_rank=0)
+            return self._grant(task, columns, slots[parts[0].numpy()], consumer, lease_s, now, dp_rank=0)
         rnd = _DPRound()
         mine: BatchMeta | None = None
         for r, pos in enumerate(parts):
@@ -953,7 +957,7 @@ class Controller:
                 rnd.parts.append(None)
                 continue
             meta = self._grant(
-                task, columns, slots[pos.numpy()], consumer if r == dp_rank else None, lease_s, now, cands, pos,
+                task, columns, slots[pos.numpy()], consumer if r == dp_rank else None, lease_s, now,
                 dp_rank=r, reserved=r != dp_rank,
             )
             if r == dp_rank:
@@ -964,6 +968,33 @@ class Controller:
         if any(p is not None for p in rnd.parts):
             self._dp_rounds.setdefault(key, []).append(rnd)
         return mine
+
+    def _lease_oldest(
+        self, task: str, t: _Task, columns: tuple[str, ...], slots: np.ndarray, ended: bool, batch_size: int,
+        min_version: int | None, partition: str | None, partial: bool, consumer: str | None, lease_s: float,
+        now: float,
+    ) -> BatchMeta | None:
+        """The rest of :meth:`try_lease` (one rank) for a sampler that declares ``takes_oldest``: what the general
+        path decides with that sampler's pick (the oldest ``min(len(slots), batch_size)`` of ``slots``, or none
+        when fewer than ``batch_size`` without ``partial``), worked out from the count alone.
+
+        The general path's conditions on ``partial`` and ``truncated`` for the remainder reduce to ``blocking ==
+        n`` here: this pick is empty only with no slot (``partial``) or fewer than ``batch_size`` slots, and a
+        truncated window holds at least ``4 * batch_size``."""
+        n = slots.size
+        k = n if n < batch_size else batch_size
+        if k < batch_size and not partial:
+            k = 0  # a full batch is needed and absent
+        if k == 0:
+            if not ended:
+                return None
+            blocking = self._blocking_count(t, columns, min_version, partition)
+            if blocking == 0:
+                return self._eos_meta(task, columns)
+            if blocking != n:
+                return None  # rows that may still become ready: wait for them
+            k = n  # nothing else can ever arrive: hand out the remainder (n > 0, as blocking is)
+        return self._grant(task, columns, slots[:k], consumer, lease_s, now, dp_rank=0)
 
     def _sample(
         self, smp: Sampler, cands: Candidates, batch_size: int, partial: bool, dp_size: int
@@ -978,7 +1009,7 @@ class Controller:
         a = allpos.numpy()
         if a.size:
             # a sampler's pick is usually increasing (oldest first): then no sort and no min/max pass
-            increasing = a.size < 2 or not np.count_nonzero(a[1:] <= a[:-1])
+            increasing = a.size < 2 or not count_nonzero(a[1:] <= a[:-1])
             lo, hi = (int(a[0]), int(a[-1])) if increasing else (int(a.min()), int(a.max()))
             if lo < 0 or hi >= cands.row_ids.numel():
                 raise InvalidRequestError(f"sampler {type(smp).__name__} returned positions outside the candidates")
@@ -1000,8 +1031,6 @@ class Controller:
         consumer: str | None,
         lease_s: float,
         now: float,
-        cands: Candidates,
-        pos: torch.Tensor,
         *,
         dp_rank: int,
         reserved: bool = False,
@@ -1024,8 +1053,11 @@ class Controller:
         return self._meta(lid, lease, s, dp_rank)
 
     def _meta(self, lid: int, lease: _Lease, s: np.ndarray, dp_rank: int) -> BatchMeta:
-        return BatchMeta(
-            row_ids=torch.from_numpy(lease.row_ids.numpy().copy()),
+        rid = self._row_id_np
+        # the meta's own tensors (fresh gathers; the lease keeps its row ids apart from the caller's); s are the
+        # slots of exactly lease.row_ids (see _grant, _claim_dp_part)
+        return BatchMeta._trusted(
+            row_ids=torch.from_numpy(rid[s]),
             columns=lease.columns,
             task=lease.task,
             lease_id=lid,
@@ -1105,7 +1137,7 @@ class Controller:
         # only rows still held by this lease (cleared rows are gone, nothing else can hold them)
         lease_of = self._lease_of_np[t.index]
         held = lease_of[s] == lease_id
-        if np.count_nonzero(held) != held.size:
+        if count_nonzero(held) != held.size:
             s = s[held]
         self._state_np[t.index][s] = new_state
         lease_of[s] = 0

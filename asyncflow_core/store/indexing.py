@@ -23,6 +23,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+try:  # numpy's C routine behind np.count_nonzero (axis None), without the Python dispatch wrapper around it:
+    # 0.08 against 0.44 µs a call here, and the store's put/lease/read/ack loop makes a dozen
+    from numpy._core.multiarray import count_nonzero
+except ImportError:  # another numpy layout: the public function (the same result)
+    count_nonzero = np.count_nonzero
+
 #: dtypes whose tensors the helpers index through numpy (``Tensor.numpy()`` shares their memory)
 _NUMPY = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64,
                     torch.float32, torch.float16})

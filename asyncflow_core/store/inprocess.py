@@ -357,7 +357,7 @@ class InProcessStore(StreamStore):
             # the rows add_rows just made, nothing else changed them: readiness written without reading it
             self.controller.mark_new_ready(ids, names, v, self._num_tokens(ids, cols, new=True))
             gids = None if group_ids is None else torch.as_tensor(group_ids, dtype=torch.int64).reshape(-1)
-            return BatchMeta(row_ids=ids, columns=names, group_ids=gids, extra={"partition": partition})
+            return BatchMeta._trusted(row_ids=ids, columns=names, group_ids=gids, extra={"partition": partition})
 
         return await self._block(attempt, timeout, lambda: f"put of {n} rows (waiting for capacity)",
                                  waits_for=_CAPACITY_EVENTS, wakes=(), written=names)

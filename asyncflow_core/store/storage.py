@@ -31,7 +31,7 @@ import torch
 
 from asyncflow_core.store.controller import has_repeats
 from asyncflow_core.store.errors import ColumnTypeError, InvalidRequestError, UnknownColumnError, UnknownRowError
-from asyncflow_core.store.indexing import assign, take
+from asyncflow_core.store.indexing import assign, count_nonzero, take
 from asyncflow_core.types import Batch, Column, RaggedTensor
 
 _MIN_TABLE = 1024
@@ -263,9 +263,9 @@ class StorageUnit:
         i0 = int(ids[0])
         p0 = i0 - self._base
         p1 = p0 + n
-        if int(ids[-1]) - i0 + 1 != n or p0 < 0 or p1 > self._alloc or np.count_nonzero(ids[1:] <= ids[:-1]):
+        if int(ids[-1]) - i0 + 1 != n or p0 < 0 or p1 > self._alloc or count_nonzero(ids[1:] <= ids[:-1]):
             return None
-        return slice(p0, p1) if np.count_nonzero(self._known[p0:p1]) == n else None
+        return slice(p0, p1) if count_nonzero(self._known[p0:p1]) == n else None
 
     def _positions(self, ids: np.ndarray) -> np.ndarray:
         pos = ids - self._base
@@ -294,7 +294,7 @@ class StorageUnit:
             self.validate(ids.size, columns)
         if ids.size == 0:
             return
-        increasing = ids.size < 2 or not np.count_nonzero(ids[1:] <= ids[:-1])  # usual: no sort, no min/max pass
+        increasing = ids.size < 2 or not count_nonzero(ids[1:] <= ids[:-1])  # usual: no sort, no min/max pass
         lo, hi = (int(ids[0]), int(ids[-1]) + 1) if increasing else (int(ids.min()), int(ids.max()) + 1)
         if lo < 0:
             raise InvalidRequestError("row ids must be non-negative")
@@ -315,7 +315,7 @@ class StorageUnit:
         # read and written through a view instead of a gather and a scatter
         at: np.ndarray | slice = slice(lo - self._base, hi - self._base) if increasing and hi - lo == ids.size else pos
         known = self._known
-        self._num_known += ids.size - int(np.count_nonzero(known[at]))
+        self._num_known += ids.size - int(count_nonzero(known[at]))
         known[at] = True
         for name, col in columns.items():
             store = self._cols[name]
@@ -327,7 +327,7 @@ class StorageUnit:
 
     def _append_ragged(self, store: _Ragged, pos: np.ndarray | slice, col: RaggedTensor) -> None:
         old = store.present[pos]
-        if np.count_nonzero(old):  # rows written before: their segments are garbage now, so compaction drops them
+        if count_nonzero(old):  # rows written before: their segments are garbage now, so compaction drops them
             was = (pos if isinstance(pos, np.ndarray) else np.arange(pos.start, pos.stop))[old]
             store.garbage += int(store.length[was].sum())
             store.present[was] = False
@@ -413,7 +413,7 @@ class StorageUnit:
         for name in columns:
             store = cols[name]
             present = store.present[at]
-            if np.count_nonzero(present) != present.size:
+            if count_nonzero(present) != present.size:
                 bad = ids[~present][:8].tolist()
                 raise UnknownColumnError(
                     f"rows {bad} have no value for column {name!r} yet; lease rows with get_meta(columns=[...]) "
@@ -477,7 +477,7 @@ class StorageUnit:
         self._num_known -= count
         for store in self._cols.values():
             if isinstance(store, _Ragged):
-                store.garbage += int(store.length[pos].sum())  # 0 where absent (see _Ragged)
+                store.garbage += int(_SUM(store.length[pos]))  # 0 where absent (see _Ragged)
                 store.length[pos] = 0
                 # reclaim garbage now unless a reader may still see the arena (a write that needs the room
                 # compacts then, into a fresh arena if it is still seen)
@@ -670,6 +670,7 @@ def _cpu_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 _ACCUMULATE = np.add.accumulate
+_SUM = np.add.reduce  #: ndarray.sum without its Python wrapper
 
 
 def _gather_ragged(store: _Ragged, pos: np.ndarray | slice, device: torch.device, views: bool = False
@@ -682,7 +683,7 @@ def _gather_ragged(store: _Ragged, pos: np.ndarray | slice, device: torch.device
     total = int(offs[-1])
     if store.zero_width:  # lengths-only values: the offsets are the whole column
         values = store.values.new_empty((total, *store.values.shape[1:]))
-    elif ln.size and not np.count_nonzero(st[1:] != st[:-1] + ln[:-1]):
+    elif ln.size and not count_nonzero(st[1:] != st[:-1] + ln[:-1]):
         s0 = int(st[0])  # rows written together: one slice instead of a gather
         if views:
             values = store.values[s0 : s0 + total]
@@ -707,4 +708,4 @@ def _gather_ragged(store: _Ragged, pos: np.ndarray | slice, device: torch.device
     else:
         values = take(store.values, torch.from_numpy(_segment_index(st, ln)).to(device))
     # offsets are the cumulative sum of stored lengths and values hold exactly their total: valid by construction
-    return RaggedTensor._trusted(values, offsets if values.device.type == "cpu" else offsets.to(values.device))
+    return RaggedTensor._trusted(values, offsets if values.is_cpu else offsets.to(values.device))

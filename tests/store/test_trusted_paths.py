@@ -9,6 +9,7 @@ drives a case the shortcut must get right and compares with the general path or 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import numpy as np
@@ -16,9 +17,13 @@ import pytest
 import torch
 
 from asyncflow_core.errors import BatchError
+from asyncflow_core.interfaces.sampler import Sampler
+from asyncflow_core.interfaces.store import BatchMeta
+from asyncflow_core.store.errors import LeaseError
 from asyncflow_core.store.controller import Controller
 from asyncflow_core.store.storage import StorageUnit
 from asyncflow_core.types import Batch, RaggedTensor
+from asyncflow_plugins.samplers import FifoSampler, GroupSampler, SimilarLengthSampler, TokenBalancedSampler
 
 
 def test_trusted_constructors_build_what_the_checked_ones_build() -> None:
@@ -171,3 +176,195 @@ def test_candidates_count_each_group_in_any_id_window(groups) -> None:
     cands = c._candidates(slots)
     want = [groups.count(g) if g >= 0 else 0 for g in groups]
     assert cands.group_ids.tolist() == groups and cands.group_ready.tolist() == want
+
+
+# ---------------------------------------------------------------- a sampler that declares takes_oldest
+
+
+class _FifoThroughSample(FifoSampler):
+    """FIFO's pick through the general path: overriding ``sample`` drops the inherited ``takes_oldest``."""
+
+    def sample(self, candidates, request):
+        return super().sample(candidates, request)
+
+
+class _BalancedThroughSample(TokenBalancedSampler):
+    def sample(self, candidates, request):
+        return super().sample(candidates, request)
+
+
+def test_takes_oldest_is_dropped_by_a_subclass_that_picks_anew() -> None:
+    assert FifoSampler.takes_oldest and TokenBalancedSampler.takes_oldest
+    assert not Sampler.takes_oldest and not GroupSampler.takes_oldest and not SimilarLengthSampler.takes_oldest
+    assert not _FifoThroughSample.takes_oldest and not _BalancedThroughSample.takes_oldest
+
+    class Renamed(FifoSampler):  # same pick: keeps the declaration
+        pass
+
+    class Declared(FifoSampler):  # a new pick that declares it anyway
+        takes_oldest = True
+
+        def sample(self, candidates, request):
+            return super().sample(candidates, request)
+
+    class Newest:
+        def sample(self, candidates, request):
+            return torch.arange(len(candidates) - 1, -1, -1)[: request.batch_size]
+
+    class Mixed(Newest, FifoSampler):  # the pick comes from a base before FifoSampler in the MRO
+        pass
+
+    class MixedSub(Renamed):
+        pass
+
+    assert Renamed.takes_oldest and Declared.takes_oldest and MixedSub.takes_oldest
+    assert Mixed.sample is Newest.sample and not Mixed.takes_oldest
+
+
+def _meta_fields(meta) -> dict | None:
+    if meta is None:
+        return None
+    out = {}
+    for f in dataclasses.fields(meta):
+        v = getattr(meta, f.name)
+        out[f.name] = v.tolist() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("pair", [(FifoSampler, _FifoThroughSample), (TokenBalancedSampler, _BalancedThroughSample)])
+def test_lease_of_the_oldest_equals_the_general_path(seed, pair) -> None:
+    """Random puts, writes, leases (full, partial, version and partition filters, a candidate window smaller than
+    the eligible rows), acks, releases and stream ends: a controller whose sampler declares ``takes_oldest``
+    grants what the same sampler through ``sample`` grants, and ends in the same state."""
+    rng = np.random.default_rng(seed)
+    fast_smp, slow_smp = pair[0](), pair[1]()
+    ctls = []
+    for _ in range(2):
+        c = Controller(4096, default_lease_s=10.0, max_candidates=8)
+        c.register_task("gen", produces=["p", "q"])
+        c.register_task("train", consumes=["p"])
+        c.register_task("both", consumes=["p", "q"])
+        ctls.append(c)
+    fast, slow = ctls
+
+    def no_candidates(s):  # the declared path never builds them (one rank)
+        raise AssertionError("takes_oldest: the one-rank lease built candidates")
+
+    fast._candidates = no_candidates
+    leases: list[tuple[int, int]] = []
+    fast_hits = remainders = ends = 0
+    for step in range(160):
+        now = step / 8  # leases of 10 s: some expire
+        assert fast.expire(now) == slow.expire(now)
+        op = rng.integers(0, 10)
+        if op <= 2 and not fast.stream_ended("a"):
+            n = int(rng.integers(1, 7))
+            part = "a" if rng.random() < 0.7 else "b"
+            if part == "b" and fast.stream_ended("b"):
+                continue
+            groups = rng.integers(0, 4, n) if rng.random() < 0.5 else None
+            ids = [c.add_rows(n, part, None if groups is None else torch.from_numpy(groups)) for c in ctls]
+            assert ids[0].tolist() == ids[1].tolist()
+            cols = ["p"] if rng.random() < 0.6 else ["p", "q"]
+            v = torch.from_numpy(rng.integers(0, 5, n)) if rng.random() < 0.5 else None
+            if rng.random() < 0.8:
+                fast.mark_new_ready(ids[0], cols, v)
+                slow.mark_new_ready(ids[1], cols, v)
+        elif op == 3 and fast.num_live:
+            alive = fast.state_dict()["row_ids"]
+            pick = alive[torch.from_numpy(rng.random(alive.numel()) < 0.3)]
+            for c in ctls:
+                c.mark_ready(pick, ["q"])
+        elif op <= 7:
+            task, cols = ("train", ("p",)) if rng.random() < 0.6 else ("both", ("p", "q"))
+            bs = int(rng.integers(1, 9))
+            partial = bool(rng.random() < 0.3)
+            minv = int(rng.integers(0, 4)) if rng.random() < 0.3 else None
+            part = None if rng.random() < 0.6 else str(rng.choice(["a", "b", "c"]))
+            got = [c.try_lease(task, cols, bs, smp, minv, part, partial, None, "w", 0, 1, now)
+                   for c, smp in ((fast, fast_smp), (slow, slow_smp))]
+            assert _meta_fields(got[0]) == _meta_fields(got[1]), (step, task, bs, partial, minv, part)
+            if got[0] is not None and got[0].lease_id is not None:
+                leases.append((got[0].lease_id, got[0].lease_id))
+                fast_hits += 1
+        elif op == 8 and leases:
+            lid, _ = leases.pop(int(rng.integers(0, len(leases))))
+            outcome, acks = [], rng.random() < 0.7
+            for c in ctls:
+                try:
+                    if acks:
+                        outcome.append(c.ack_and_collect(lid, now)[1].tolist())
+                    else:
+                        outcome.append(c.release(lid))
+                except LeaseError as exc:  # expired meanwhile: both must say so
+                    outcome.append(type(exc))
+            assert outcome[0] == outcome[1]
+        elif op == 9 and step > 100:
+            part = str(rng.choice(["a", "b"])) if rng.random() < 0.7 else None
+            for c in ctls:
+                c.end_stream(part)
+        _same_state(fast, slow)
+    # the end: every partition ends, then each task drains with full-size requests (the remainder is handed
+    # out once nothing else can arrive) until its end of stream
+    assert fast.expire(100.0) == slow.expire(100.0)  # every lease still out
+    for c in ctls:
+        c.end_stream()
+        c.mark_ready(torch.from_numpy(c._row_id_np[np.flatnonzero(c._alive_np[: c._n])]), ["p", "q"])
+    for task, cols in (("train", ("p",)), ("both", ("p", "q"))):
+        for i in range(40):
+            now = 100.0 + i
+            got = [c.try_lease(task, cols, 5, smp, None, None, False, None, "w", 0, 1, now)
+                   for c, smp in ((fast, fast_smp), (slow, slow_smp))]
+            assert _meta_fields(got[0]) == _meta_fields(got[1]), (task, i)
+            if got[0] is None or got[0].end_of_stream:
+                ends += got[0] is not None
+                break
+            remainders += len(got[0]) < 5
+            assert fast.ack_and_collect(got[0].lease_id, now)[1].tolist() == \
+                slow.ack_and_collect(got[1].lease_id, now)[1].tolist()
+            _same_state(fast, slow)
+    # the declared path granted leases, handed out a remainder and answered the end of the stream
+    assert fast_hits > 5 and remainders and ends
+
+
+def _same_state(a: Controller, b: Controller) -> None:
+    assert _state(a) == _state(b)
+    assert {k: v.tolist() for k, v in a.state_dict()["task_state"].items()} == \
+        {k: v.tolist() for k, v in b.state_dict()["task_state"].items()}
+
+
+def test_dp_requests_still_ask_the_sampler() -> None:
+    """``takes_oldest`` covers one rank only: a DP split is the sampler's (contiguous chunks for FIFO)."""
+    c = Controller(64, default_lease_s=10.0)
+    c.register_task("gen", produces=["p"])
+    c.register_task("train", consumes=["p"])
+    c.mark_new_ready(c.add_rows(6), ["p"])
+    a = c.try_lease("train", ("p",), 6, FifoSampler(), None, None, False, None, None, 0, 2, 0.0)
+    b = c.try_lease("train", ("p",), 6, FifoSampler(), None, None, False, None, None, 1, 2, 0.0)
+    assert a.row_ids.tolist() == [0, 1, 2] and b.row_ids.tolist() == [3, 4, 5]
+
+
+def test_batch_meta_trusted_builds_what_the_constructor_builds() -> None:
+    t = torch.tensor([3, 4])
+    full = dict(row_ids=t, columns=("x",), task="train", lease_id=7, deadline=2.5, group_ids=t, min_version=t,
+                max_version=t, num_tokens=t, end_of_stream=True, extra={"consumer": "w"})
+    assert set(full) == {f.name for f in dataclasses.fields(BatchMeta)}  # every field is covered here
+    for kwargs in (full, {"row_ids": t, "columns": ("x",), "extra": {"partition": "default"}}, {"row_ids": t}):
+        fast, slow = BatchMeta._trusted(**kwargs), BatchMeta(**kwargs)
+        assert fast == slow and repr(fast) == repr(slow) and fast.extra == slow.extra
+        assert vars(fast).keys() == vars(slow).keys()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.task = "other"  # type: ignore[misc]
+    a, b = BatchMeta._trusted(row_ids=t), BatchMeta._trusted(row_ids=t)
+    a.extra["k"] = 1
+    assert b.extra == {}  # each gets its own extra dict, as with the field's default factory
+
+
+def test_count_nonzero_without_the_wrapper_counts_what_numpy_counts() -> None:
+    from asyncflow_core.store.indexing import count_nonzero
+
+    rng = np.random.default_rng(0)
+    ints = rng.integers(-2, 3, 1000)
+    for a in (ints, ints > 0, ints[::3], ints[1:] <= ints[:-1], np.empty(0, dtype=bool), ints.reshape(10, 100)):
+        assert count_nonzero(a) == np.count_nonzero(a) and type(count_nonzero(a)) is type(np.count_nonzero(a))
