@@ -4,6 +4,7 @@ Usage: python benchmarks/profile_step.py [--sizes 0.1M,10M,100M,0.5B] [--steps N
                                          [--checkpoint-every K] [--logprob-stages] [--json] [--png PATH]
                                          [--out runs/profile_step] [override ...]
        python benchmarks/profile_step.py --rank-step [--rank-settings NAMES] [--repeats R] [--json]
+       python benchmarks/profile_step.py --engine-step [--engine-settings NAMES] [--batches B] [--repeats R] [--json]
 
 Each size is a real run of ``examples/arithmetic_grpo.yaml`` (``one_step``,
 the ``local`` launcher, the ``torch`` rollout engine, the ``fsdp`` trainer at
@@ -65,6 +66,22 @@ Hugging Face forward + backward + AdamW step of the same model on the
 same rectangle). Each repetition runs every setting in turn and takes the
 median of 10 steps after 2 warm-up steps. ``--rank-settings auto+shared``
 (comma-separated names; default all) measures only the settings named.
+
+``--engine-step`` measures the ``torch`` rollout engine alone, in this
+process: the **CPU time** (every thread of the process: the event loop's
+side, the worker thread's decoding steps, torch's intra-op threads; so run
+it with the run's ``OMP_NUM_THREADS``) of one batch of the example's shape
+(``prompts_per_step`` prompts ``a+b=`` of the example's alphabet, ``n``
+samples each, ``max_new_tokens``, stop at its end token, the example's
+``max_batch``), from the ``generate`` call to its last result, per
+:data:`ENGINE_SETTINGS` (``shared``: the default, rows with identical
+contexts decoded once; ``unshared``: ``share_contexts`` off, one row per
+sequence). The model is the example's at its initial weights
+(``init_seed`` 0): a trained policy samples fewer distinct tokens, so its
+rows share more. Each repetition runs every setting in turn on a fresh
+engine: 3 warm-up batches, then the median over ``--batches`` batches; also
+reported per batch: the forward passes and the rows they ran (a prefill's
+rows are its distinct prompts).
 
 ``--logprob-stages`` adds ``algorithm.options.correction=decoupled`` and
 ``kl_coef=0.001`` so the ``old`` and ``ref`` log-prob stages run (the
@@ -777,6 +794,97 @@ def rank_step(repeats: int, settings: list[str] | None = None) -> dict[str, Any]
             "tokens": int(prompts.numel_packed + responses.numel_packed)}
 
 
+#: --engine-step settings: the torch engine's options on top of the example's
+ENGINE_SETTINGS: dict[str, dict[str, Any]] = {
+    "shared": {},  # the default: sequences with identical contexts share a row of the batch
+    "unshared": {"share_contexts": False},  # one row per sequence (after a shared prefill)
+}
+
+
+def engine_step(batches: int, repeats: int, settings: list[str] | None = None) -> dict[str, Any]:
+    """CPU seconds per batch of the example's shape through the torch rollout engine (see the module docstring)."""
+    import asyncio
+
+    import torch
+    import yaml
+
+    from asyncflow_core.config.models import ModelConfig
+    from asyncflow_core.types import GenerationRequest, SamplingParams
+    from asyncflow_plugins.hf.rollout import TorchRolloutConfig, TorchRolloutEngine
+
+    example = yaml.safe_load(EXAMPLE.read_text())
+    model = ModelConfig.model_validate(example["model"])
+    alphabet, n = example["model"]["alphabet"], example["rollout"]["n"]
+    sampling = SamplingParams(max_new_tokens=example["rollout"]["max_new_tokens"],
+                              stop_token_ids=(alphabet.index(example["model"]["eos"]),))
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(tag: str) -> list[GenerationRequest]:
+        out = []
+        for p in range(example["data"]["prompts_per_step"]):
+            a, b = torch.randint(0, 10, (2,), generator=gen).tolist()
+            prompt = tuple(alphabet.index(c) for c in f"{a}+{b}=")
+            out += [GenerationRequest(f"{tag}-{p}-{j}", prompt, sampling) for j in range(n)]
+        return out
+
+    async def measure(options: dict[str, Any]) -> tuple[float, float, float, float]:
+        engine = TorchRolloutEngine(TorchRolloutConfig(
+            model=model, device="cpu", init_seed=example.get("seed", 0), **{**example["rollout"]["options"], **options}))
+        await engine.start()
+        forward, counts = engine._forward, [0, 0]
+
+        def counted(ids: Any, *args: Any) -> Any:
+            counts[0] += 1
+            counts[1] += ids.shape[0]
+            return forward(ids, *args)
+
+        engine._forward = counted
+        try:
+            for i in range(3):
+                [r async for r in engine.generate(batch(f"w{i}"))]
+            counts[:] = [0, 0]
+            cpu, wall = [], []
+            for i in range(batches):
+                requests = batch(f"b{i}")
+                t, w = time.process_time(), time.perf_counter()
+                [r async for r in engine.generate(requests)]
+                cpu.append(time.process_time() - t)
+                wall.append(time.perf_counter() - w)
+        finally:
+            await engine.shutdown()
+        return sorted(cpu)[len(cpu) // 2], sorted(wall)[len(wall) // 2], counts[0] / batches, counts[1] / batches
+
+    medians: dict[str, list[tuple[float, float, float, float]]] = {k: [] for k in (settings or ENGINE_SETTINGS)}
+    for _ in range(repeats):
+        for name in medians:
+            medians[name].append(asyncio.run(measure(ENGINE_SETTINGS[name])))
+    return {"engine_batch_cpu_s": {k: {"median": sorted(c for c, *_ in v)[len(v) // 2], "min": min(c for c, *_ in v),
+                                       "repeats": [c for c, *_ in v],
+                                       "wall_s_median": sorted(w for _, w, *_ in v)[len(v) // 2],
+                                       "forwards_per_batch": v[-1][2], "forward_rows_per_batch": v[-1][3]}
+                                   for k, v in medians.items()},
+            "requests_per_batch": example["data"]["prompts_per_step"] * n, "batches": batches,
+            "torch_threads": torch.get_num_threads()}
+
+
+def _names(p: argparse.ArgumentParser, option: str, value: str, known: dict[str, Any]) -> list[str]:
+    """The comma-separated names in ``value``, each once, in order; a usage error names one not in ``known``."""
+    names = [x for x in value.split(",") if x]
+    if not names or any(x not in known for x in names):
+        p.error(f"{option} {value!r}: choose from {','.join(known)} (comma-separated)")
+    return list(dict.fromkeys(names))
+
+
+def _report(as_json: bool, res: dict[str, Any], header: list[str], rows: list[list[str]]) -> int:
+    """Print ``res`` as one JSON object, or the table of ``rows`` under ``header``; exit status 0."""
+    if as_json:
+        print(json.dumps(res))
+        return 0
+    for line in (header, ["---"] * len(header), *rows):
+        print(" | ".join(line))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="0.1M,10M,100M,0.5B", help=f"comma-separated, from {','.join(SIZES)}")
@@ -793,26 +901,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=4, help="--rank-step: interleaved repetitions per setting")
     p.add_argument("--rank-settings", default=",".join(RANK_SETTINGS),
                    help=f"--rank-step: comma-separated settings to measure, from {','.join(RANK_SETTINGS)}")
+    p.add_argument("--engine-step", action="store_true",
+                   help="only the CPU time of the torch rollout engine per batch of the example's shape (docstring)")
+    p.add_argument("--engine-settings", default=",".join(ENGINE_SETTINGS),
+                   help=f"--engine-step: comma-separated settings to measure, from {','.join(ENGINE_SETTINGS)}")
+    p.add_argument("--batches", type=int, default=30, help="--engine-step: measured batches per repetition")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: profile one size in this process
     p.add_argument("overrides", nargs="*", help="dotted config overrides applied to every size")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0 or a.cooldown < 0 or a.checkpoint_every < 0:
         p.error("--steps must be >= 1; --warmup, --cooldown and --checkpoint-every >= 0")
+    if a.engine_step:
+        if a.repeats < 1 or a.batches < 1:
+            p.error("--repeats and --batches must be >= 1")
+        res = engine_step(a.batches, a.repeats, _names(p, "--engine-settings", a.engine_settings, ENGINE_SETTINGS))
+        return _report(a.json, res, ["setting", "CPU ms per batch (median of repeats)", "min", "wall ms", "forwards",
+                                     "forward rows"],
+                       [[name, f"{r['median'] * 1e3:.2f}", f"{r['min'] * 1e3:.2f}", f"{r['wall_s_median'] * 1e3:.2f}",
+                         f"{r['forwards_per_batch']:.1f}", f"{r['forward_rows_per_batch']:.0f}"]
+                        for name, r in res["engine_batch_cpu_s"].items()])
     if a.rank_step:
         if a.repeats < 1:
             p.error("--repeats must be >= 1")
-        settings = [x for x in a.rank_settings.split(",") if x]
-        if not settings or any(x not in RANK_SETTINGS for x in settings):
-            p.error(f"--rank-settings {a.rank_settings!r}: choose from {','.join(RANK_SETTINGS)} (comma-separated)")
-        res = rank_step(a.repeats, list(dict.fromkeys(settings)))
-        if a.json:
-            print(json.dumps(res))
-        else:
-            print("setting | CPU ms per train step (median of repeats) | min")
-            print("--- | --- | ---")
-            for name, r in res["rank_step_cpu_s"].items():
-                print(f"{name} | {r['median'] * 1e3:.1f} | {r['min'] * 1e3:.1f}")
-        return 0
+        res = rank_step(a.repeats, _names(p, "--rank-settings", a.rank_settings, RANK_SETTINGS))
+        return _report(a.json, res, ["setting", "CPU ms per train step (median of repeats)", "min"],
+                       [[name, f"{r['median'] * 1e3:.1f}", f"{r['min'] * 1e3:.1f}"]
+                        for name, r in res["rank_step_cpu_s"].items()])
     if a.one is not None:
         res = profile_size(a.one, steps=a.steps, warmup=a.warmup, cooldown=a.cooldown,
                            checkpoint_every=a.checkpoint_every,

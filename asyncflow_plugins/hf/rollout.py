@@ -15,6 +15,14 @@ engine object, on the CPU or one CUDA device. What it does, step by step:
   learned positions never see the padding. Joining pads the shorter side on
   the left; leaving drops the row and then the all-padding leading columns.
   The tensors live in a ``transformers`` ``DynamicCache`` for each forward.
+- **Shared rows** (``share_contexts``, default on). A cache row holds one
+  distinct context, not one sequence: the n samples of a prompt prefill as
+  one row and stay one row while they sample the same tokens; after each
+  step the sequences of a row are regrouped by the token each sampled, and a
+  row with several distinct tokens is copied into one row per token. Every
+  sequence samples its own token (and gets its own log-prob) from its row's
+  logits, so the results are those of one row per sequence, which
+  ``share_contexts=False`` runs, to float rounding.
 - **Log-prob convention** (the trainer's, see
   :class:`~asyncflow_core.types.SamplingParams`): a token's log-prob is
   taken from the distribution it was *sampled from* — logits in float32,
@@ -140,6 +148,13 @@ class TorchRolloutConfig(BaseModel):
         ge=1,
         description="Set torch's CPU intra-op threads at start (process-wide); unset leaves torch's default.",
     )
+    share_contexts: bool = Field(
+        True,
+        description="Decode sequences whose prompt and tokens so far are identical (the n samples of a prompt, "
+        "until their tokens differ) as one row of the batch, each still sampling its own token from that row's "
+        "logits; off: one row per sequence (after a shared prefill). The same tokens and log-probs either way, "
+        "to float rounding.",
+    )
     weight_load: Literal["view", "copy"] = Field(
         "view",
         description="How a full weight update is loaded: view makes each model tensor a view of the received "
@@ -181,16 +196,29 @@ class _Seq:
     abort: bool = False  #: abort() asked for it
     dropped: bool = False  #: its generate() iterator went away; nobody wants the result
     done: bool = False
+    #: most tokens (prefix included) before it ends with reason length: max_new_tokens, or the model's context
+    limit: int = 0
+    #: (temperature, top_p, top_k): rows with the same key are sampled together
+    sampling_key: tuple[float, float, int] = (1.0, 1.0, -1)
 
 
 @dataclass(eq=False)
 class _Batch:
-    """The running sequences and their right-aligned KV cache (rows in ``seqs`` order)."""
+    """The running sequences and their right-aligned KV cache.
+
+    The cache has one row per distinct context (``share_contexts``): sequences whose prompt and tokens are the
+    same (the n samples of a prompt, until their tokens differ) share a cache row, decoded once per step.
+    ``slot[i]`` is the cache row of ``seqs[i]``; without sharing ``slot[i] == i``.
+    """
 
     seqs: list[_Seq]
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  #: per layer, [rows, kv_heads, slots, head_dim]
-    mask: torch.Tensor  #: [rows, slots] int64, 1 where a slot holds a real token
-    positions: torch.Tensor  #: [rows] int64, position id of each row's pending (last) token
+    slot: list[int]  #: cache row of each sequence
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  #: per layer, [cache rows, kv_heads, columns, head_dim]
+    mask: torch.Tensor  #: [cache rows, columns] int64, 1 where a column holds a real token
+    positions: torch.Tensor  #: [cache rows] int64, position id of each row's next (pending) token
+    #: [cache rows] int64, the token each row feeds to the next decoding step; None right after a forward
+    #: (the sampled tokens, not yet chosen, become it)
+    pending: torch.Tensor | None
 
 
 class TorchRolloutEngine(RolloutEngine):
@@ -226,6 +254,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._work = asyncio.Event()
         self._changed = asyncio.Event()
         self._holding = False  # pause() in progress or paused: new requests are held
+        self._reap_due = False  # a sequence was aborted or dropped since the last _reap
         self._paused = False  # no decoding step runs
         self._scheduler: asyncio.Task | None = None
         self._failure: EngineError | None = None
@@ -362,6 +391,9 @@ class TorchRolloutEngine(RolloutEngine):
                 tokens=list(r.prefix_token_ids),
                 logprobs=list(r.prefix_logprobs),
                 versions=list(r.prefix_versions),
+                limit=r.sampling.max_new_tokens if self._max_positions is None
+                else min(r.sampling.max_new_tokens, self._max_positions - len(r.prompt_token_ids)),
+                sampling_key=(r.sampling.temperature, r.sampling.top_p, r.sampling.top_k),
             )
             problem = self._invalid(r)
             if problem is not None:
@@ -391,6 +423,7 @@ class TorchRolloutEngine(RolloutEngine):
             for seq in mine:
                 if not seq.done:
                     seq.dropped = True
+                    self._reap_due = True
                     if self._active.get(seq.request.request_id) is seq:
                         del self._active[seq.request.request_id]
             self._work.set()
@@ -419,6 +452,7 @@ class TorchRolloutEngine(RolloutEngine):
         for rid in targets:
             self._active[rid].abort = True
         if targets:
+            self._reap_due = True
             self._work.set()
         return targets
 
@@ -569,9 +603,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._notify()
 
     def _has_work(self) -> bool:
-        if any(s.abort or s.dropped for s in self._waiting):
-            return True
-        if self._batch is not None and any(s.abort or s.dropped for s in self._batch.seqs):
+        if self._reap_due:
             return True
         if self._paused:
             return False
@@ -589,6 +621,9 @@ class TorchRolloutEngine(RolloutEngine):
 
     def _reap(self) -> None:
         """Finish aborted sequences (partial results) and forget dropped ones."""
+        if not self._reap_due:
+            return
+        self._reap_due = False
         keep = []
         for seq in self._waiting:
             if seq.abort or seq.dropped:
@@ -597,12 +632,15 @@ class TorchRolloutEngine(RolloutEngine):
                 keep.append(seq)
         self._waiting = keep
         if self._batch is not None:
-            rows = [i for i, s in enumerate(self._batch.seqs) if not (s.abort or s.dropped)]
-            if len(rows) < len(self._batch.seqs):
-                for s in self._batch.seqs:
+            batch = self._batch
+            rows = [i for i, s in enumerate(batch.seqs) if not (s.abort or s.dropped)]
+            if len(rows) < len(batch.seqs):
+                for s in batch.seqs:
                     if s.abort or s.dropped:
                         self._finish(s, FinishReason.ABORT)
-                self._batch = _select(self._batch, rows)
+                first: dict[int, int] = {}  # the cache rows still used, in order
+                slot = [first.setdefault(batch.slot[i], len(first)) for i in rows]
+                self._batch = _take(batch, [batch.seqs[i] for i in rows], slot, list(first), None) if rows else None
 
     def _finish(self, seq: _Seq, reason: FinishReason) -> None:
         if seq.done:
@@ -663,6 +701,8 @@ class TorchRolloutEngine(RolloutEngine):
             parts.append(self._prefill(admit))
         batch = parts[0][0] if len(parts) == 1 else _merge(parts[0][0], parts[1][0])
         logits = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        if logits.shape[0] < len(batch.seqs):  # shared cache rows: each sequence samples from its row's logits
+            logits = logits.index_select(0, torch.tensor(batch.slot, device=logits.device))
         tokens, logprobs = self._sample(batch.seqs, logits)
         finished: list[tuple[_Seq, FinishReason]] = []
         keep = []
@@ -670,17 +710,34 @@ class TorchRolloutEngine(RolloutEngine):
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
             seq.versions.append(version)
-            context = len(seq.request.prompt_token_ids) + len(seq.tokens)
             if tok in seq.stop:
                 finished.append((seq, FinishReason.STOP))
-            elif len(seq.tokens) >= seq.request.sampling.max_new_tokens:
+            elif len(seq.tokens) >= seq.limit:  # max_new_tokens, or the model has no position left
                 finished.append((seq, FinishReason.LENGTH))
-            elif self._max_positions is not None and context >= self._max_positions:
-                finished.append((seq, FinishReason.LENGTH))  # the model has no position left for the next token
             else:
                 keep.append(i)
-        self._batch = _select(batch, keep) if keep else None
+        self._batch = self._next_batch(batch, keep, tokens) if keep else None
         return finished
+
+    def _next_batch(self, batch: _Batch, keep: list[int], tokens: list[int]) -> _Batch:
+        """The batch of the rows ``keep`` for the next step, each fed its sampled token.
+
+        Sequences of one cache row that sampled the same token still share their whole context: with
+        ``share_contexts`` they share the next step's row too (a row per distinct (row, token)); without, every
+        sequence gets a row of its own (the cache rows of a shared prefill are copied).
+        """
+        slot = batch.slot
+        if self.config.share_contexts:
+            first: dict[tuple[int, int], int] = {}
+            rows = [first.setdefault((slot[i], tokens[i]), len(first)) for i in keep]
+            parents = [row for row, _ in first]
+            pending = [tok for _, tok in first]
+        else:
+            rows = list(range(len(keep)))
+            parents = [slot[i] for i in keep]
+            pending = [tokens[i] for i in keep]
+        fed = torch.tensor(pending, dtype=torch.long, device=batch.mask.device)
+        return _take(batch, [batch.seqs[i] for i in keep], rows, parents, fed)
 
     def _forward(
         self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
@@ -695,46 +752,46 @@ class TorchRolloutEngine(RolloutEngine):
     def _decode(self, batch: _Batch) -> tuple[_Batch, torch.Tensor]:
         from transformers import DynamicCache
 
-        rows = len(batch.seqs)
-        ids = torch.tensor([[s.tokens[-1]] for s in batch.seqs], dtype=torch.long, device=self.device)
-        mask = torch.cat([batch.mask, batch.mask.new_ones(rows, 1)], dim=1)
-        logits, kv = self._forward(ids, mask, batch.positions.unsqueeze(1), DynamicCache(batch.kv))
-        return _Batch(batch.seqs, kv, mask, batch.positions + 1), logits
+        assert batch.pending is not None
+        mask = torch.cat([batch.mask, batch.mask.new_ones(batch.mask.shape[0], 1)], dim=1)
+        cache = DynamicCache(batch.kv)
+        logits, kv = self._forward(batch.pending.unsqueeze(1), mask, batch.positions.unsqueeze(1), cache)
+        return _Batch(batch.seqs, batch.slot, kv, mask, batch.positions + 1, None), logits
 
     def _prefill(self, seqs: list[_Seq]) -> tuple[_Batch, torch.Tensor]:
         from transformers import DynamicCache
 
-        contexts = [(*s.request.prompt_token_ids, *s.tokens) for s in seqs]
-        # the n samples of a prompt share their context: prefill each distinct context once, then give every row
-        # its own copy of that context's logits and cache rows (a GRPO step's prefill runs 1/n of the rows)
+        # tuple() of a tuple is the tuple itself: no copy for a fresh request's prompt
+        contexts = [(*s.request.prompt_token_ids, *s.tokens) if s.tokens else tuple(s.request.prompt_token_ids)
+                    for s in seqs]
+        # the n samples of a prompt share their context: prefill each distinct context once, as one cache row of
+        # them all (a GRPO step's prefill runs 1/n of the rows; _next_batch splits a row where their tokens differ)
         first: dict[tuple[int, ...], int] = {}
         slot = [first.setdefault(ctx, len(first)) for ctx in contexts]
         unique = list(first)
         width = max(map(len, unique))
-        ids = torch.zeros(len(unique), width, dtype=torch.long)
-        mask = torch.zeros(len(unique), width, dtype=torch.long)
-        for i, ctx in enumerate(unique):  # left padding: every row ends in the last column
-            ids[i, width - len(ctx) :] = torch.tensor(ctx, dtype=torch.long)
-            mask[i, width - len(ctx) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        # left padding: every row ends in the last column
+        ids = torch.tensor([(0,) * (width - len(ctx)) + ctx for ctx in unique], dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * (width - len(ctx)) + [1] * len(ctx) for ctx in unique], dtype=torch.long,
+                            device=self.device)
         positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
         logits, kv = self._forward(ids, mask, positions, DynamicCache())
-        if len(unique) < len(seqs):
-            index = torch.tensor(slot, device=mask.device)
-            logits, mask = logits.index_select(0, index), mask.index_select(0, index)
-            kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in kv]
-        lengths = mask.sum(dim=1)
         # the pending token of a prefilled row is the one sampled now, at position len(context)
-        return _Batch(list(seqs), kv, mask, lengths), logits
+        return _Batch(list(seqs), slot, kv, mask, mask.sum(dim=1), None), logits
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         """One token per row from its sampling distribution, and that token's log-prob under it."""
+        key = seqs[0].sampling_key
+        if all(s.sampling_key == key and s.generator is None for s in seqs):
+            # the common case, one group drawing from the engine's generator: what the loop below does for it
+            logp = sampling_logprobs(logits, *key)
+            drawn = torch.multinomial(logp.exp(), 1, generator=self._gen)
+            return drawn.squeeze(1).tolist(), logp.gather(1, drawn).squeeze(1).tolist()
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         picked = torch.empty(len(seqs), dtype=torch.float32, device=logits.device)
         groups: dict[tuple[float, float, int], list[int]] = {}
         for i, s in enumerate(seqs):
-            sp = s.request.sampling
-            groups.setdefault((sp.temperature, sp.top_p, sp.top_k), []).append(i)
+            groups.setdefault(s.sampling_key, []).append(i)
         for (temperature, top_p, top_k), rows in groups.items():
             index = torch.tensor(rows, device=logits.device)
             logp = sampling_logprobs(logits[index], temperature, top_p, top_k)
@@ -938,18 +995,19 @@ def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in layers]
 
 
-def _select(batch: _Batch, rows: list[int]) -> _Batch | None:
-    """Keep ``rows`` of the batch, then drop leading cache slots that no remaining row uses."""
-    if not rows:
-        return None
-    if len(rows) == len(batch.seqs):
-        return batch
-    index = torch.tensor(rows, device=batch.mask.device)
+def _take(batch: _Batch, seqs: list[_Seq], slot: list[int], parents: list[int], pending: torch.Tensor | None) -> _Batch:
+    """A batch of ``seqs`` (``slot``: each one's new cache row) whose cache row ``j`` is ``batch``'s row
+    ``parents[j]``, fed ``pending`` (None: the parents' pending tokens); leading columns no row uses are dropped."""
+    if pending is None and batch.pending is not None:
+        pending = batch.pending if parents == list(range(len(batch.pending))) else batch.pending[parents]
+    if parents == list(range(batch.mask.shape[0])):
+        return _Batch(seqs, slot, batch.kv, batch.mask, batch.positions, pending)
+    index = torch.tensor(parents, device=batch.mask.device)
     mask = batch.mask.index_select(0, index)
     used = mask.any(dim=0).nonzero()
     start = int(used[0]) if used.numel() else mask.shape[1]
-    kv = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:]) for k, v in batch.kv]
-    return _Batch([batch.seqs[i] for i in rows], kv, mask[:, start:], batch.positions.index_select(0, index))
+    kv = [(k[:, :, start:].index_select(0, index), v[:, :, start:].index_select(0, index)) for k, v in batch.kv]
+    return _Batch(seqs, slot, kv, mask[:, start:], batch.positions.index_select(0, index), pending)
 
 
 def _merge(a: _Batch, b: _Batch) -> _Batch:
@@ -968,6 +1026,8 @@ def _merge(a: _Batch, b: _Batch) -> _Batch:
         (torch.cat([pad(ka, 2), pad(kb, 2)]), torch.cat([pad(va, 2), pad(vb, 2)]))
         for (ka, va), (kb, vb) in zip(a.kv, b.kv, strict=True)
     ]
+    rows = a.mask.shape[0]
     return _Batch(
-        a.seqs + b.seqs, kv, torch.cat([pad(a.mask, 1), pad(b.mask, 1)]), torch.cat([a.positions, b.positions])
+        a.seqs + b.seqs, a.slot + [rows + i for i in b.slot], kv, torch.cat([pad(a.mask, 1), pad(b.mask, 1)]),
+        torch.cat([a.positions, b.positions]), None,
     )
