@@ -383,6 +383,13 @@ class PipelineConfig(StrictModel):
     write_interval_s: float = Field(
         0.05, gt=0, description="Finished rollouts are written in batches at most this long after they finish."
     )
+    fold_advantages: bool = Field(
+        True,
+        description="Compute group-scoped advantages (grpo with group or no std scaling, rloo) in the train stage's "
+        "lease, with no advantage stage: four fewer store calls per lease of groups, same values. Applies when the "
+        "algorithm declares advantage_scope 'group', the trainer's sampler leases whole groups (group) and no stage "
+        "reads the advantages column; false keeps the advantage stage.",
+    )
 
 
 class LauncherConfig(Component):

@@ -132,6 +132,27 @@ class PipelinePlan:
         self.needs_old = C.OLD_LOGPROBS in required and C.OLD_LOGPROBS not in from_plugins
         self.needs_values = C.VALUES in required and C.VALUES not in from_plugins
 
+    def folds_advantages(self, stages: Sequence[Stage]) -> bool:
+        """Whether the train stage computes the advantages in its own lease, with no advantage stage.
+
+        By declarations only: ``pipeline.fold_advantages`` is on, the algorithm's advantages are group-scoped
+        (:class:`~asyncflow_core.interfaces.features.AlgorithmFeatures` ``advantage_scope: group``: a group's
+        advantages read that group's rows only, so any lease of whole groups gives the same values), the train
+        sampler hands out whole groups only (it defines ``whole_group_size``, as the ``group`` sampler does), and
+        none of ``stages`` reads ``advantages``. Otherwise the advantage stage runs.
+        """
+        cfg = self.cfg
+        if not getattr(cfg.pipeline, "fold_advantages", True):
+            return False
+        if algorithm_features(self.algorithm).advantage_scope != "group":
+            return False
+        if any(C.ADVANTAGES in st.consumes for st in stages):
+            return False
+        from asyncflow_core.plugins import get_plugin_manager  # late: the plan is built before any plugin is made
+
+        found = get_plugin_manager().registrations("sampler").get(cfg.sampler.name)
+        return found is not None and callable(getattr(found.record.factory, "whole_group_size", None))
+
     def _added(self) -> list[Stage]:
         return [*([self.reward_stage] if self.reward_stage is not None else []), *self.plugins]
 
@@ -205,14 +226,16 @@ class PipelinePlan:
             inputs += [c for c in reward_stage.produces if c.startswith(C.REWARD_EXTRA_PREFIX) and c not in inputs]
         # episodes: the trainer gets the loss mask, and each step's record the per-episode figures (dense, small)
         inputs += [c for c in rollout.produces if c in _EPISODE_TO_TRAINER and c not in inputs]
-        # a lease takes every whole group that is ready, up to one step's worth (partial: it never waits for
-        # more): one store round trip per batch of groups, which an actor-backed store (ray) pays per call
-        stages.append(AdvantageStage(algorithm, inputs, n=n, groups_per_lease=B))
+        fold = self.folds_advantages(stages)
+        if not fold:
+            # a lease takes every whole group that is ready, up to one step's worth (partial: it never waits for
+            # more): one store round trip per batch of groups, which an actor-backed store (ray) pays per call
+            stages.append(AdvantageStage(algorithm, inputs, n=n, groups_per_lease=B))
         train = TrainStage(
             trainer, algorithm, transport, rollout, consumes=inputs, total_steps=cfg.trainer.total_steps,
             bucket_bytes=int(cfg.weight_transport.bucket_mb * (1 << 20)), deadline_s=cfg.weight_transport.deadline_s,
             colocated=bool(cfg.async_.colocated), sampler=cfg.sampler.name, lock=lock,
-            canary=canary(rollout, lock) if canary is not None else None,
+            canary=canary(rollout, lock) if canary is not None else None, fold_advantages=fold,
         )
         stages.append(train)
         readers = {"train": f"algorithm {cfg.algorithm.name!r}", "advantage": f"algorithm {cfg.algorithm.name!r}"}

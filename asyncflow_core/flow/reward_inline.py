@@ -25,8 +25,10 @@ reward; false keeps the stage. See docs/architecture.md ("Inline reward").
 from __future__ import annotations
 
 import inspect
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncflow_core import columns as C
@@ -87,11 +89,17 @@ class InlineReward:
         stage = self.stage
         if getattr(stage, "ctx", None) is not ctx:
             stage.bind(ctx)
-        prompts = [q.prompt for q, _ in items]
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-        flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64)
-        batch = Batch({C.PROMPT_IDS: RaggedTensor.from_lengths(flat, lengths), C.RESPONSE_IDS: cols[C.RESPONSE_IDS],
+        batch = Batch({C.PROMPT_IDS: _prompt_ids([q.prompt for q, _ in items]), C.RESPONSE_IDS: cols[C.RESPONSE_IDS],
                        C.GROUP_ID: torch.tensor([q.group for q, _ in items], dtype=torch.int64)}, row_ids=rows)
         with ctx.timeline.span("reward", stage.span_name):
             out, _ = await stage.outputs(rows, batch)
         return out
+
+
+def _prompt_ids(prompts: list[tuple[int, ...]]) -> RaggedTensor:
+    """The rows' prompt ids (the tuples their requests carry) as one ragged tensor, built by numpy from the tuples:
+    half the CPU of a Python list of every token made into a tensor. (Gathering the rows from their leases'
+    ``prompt_ids`` tensors instead costs more whenever a write's rows are not one run of one lease.)"""
+    lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    flat = np.fromiter(chain.from_iterable(prompts), dtype=np.int64, count=int(lengths.sum()))
+    return RaggedTensor.from_lengths(torch.from_numpy(flat), torch.from_numpy(lengths))

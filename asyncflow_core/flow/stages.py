@@ -16,12 +16,11 @@ import torch
 
 from asyncflow_core import columns as C
 from asyncflow_core.flow import staleness as S
-from asyncflow_core.flow.outcomes import merge_outputs
 from asyncflow_core.flow.reward_stage import RewardStage
 from asyncflow_core.flow.rollout_stage import ROLLOUT_OUT, Replica, RolloutStage
 from asyncflow_core.flow.stage import RunStopped, Stage, StageOutput
 from asyncflow_core.flow.tokenizer import Tokenizer, encode_record
-from asyncflow_core.flow.train_stage import TrainStage
+from asyncflow_core.flow.train_stage import ADVANTAGE, TrainStage, group_advantages
 from asyncflow_core.interfaces import Algorithm, Dataset, TrainEngine
 from asyncflow_core.interfaces.store import BatchMeta
 from asyncflow_core.types import Batch, RaggedTensor
@@ -164,9 +163,14 @@ class LogprobStage(Stage):
 
 
 class AdvantageStage(Stage):
-    """Group-relative (or any algorithm's) advantages over whole prompt groups (the group sampler)."""
+    """Group-relative (or any algorithm's) advantages over whole prompt groups (the group sampler).
 
-    name = "advantage"
+    Only when the train stage cannot compute them in its own lease (a ``step``-scoped algorithm, a train sampler
+    that does not lease whole groups, a stage that reads ``advantages``, or ``pipeline.fold_advantages: false``);
+    see :func:`~asyncflow_core.flow.train_stage.group_advantages` and :meth:`PipelinePlan.folds_advantages`.
+    """
+
+    name = ADVANTAGE
     produces = (C.ADVANTAGES,)
     sampler = "group"
     span_name = "advantages"
@@ -176,22 +180,5 @@ class AdvantageStage(Stage):
         self.consumes = tuple(dict.fromkeys([C.RESPONSE_IDS, C.GROUP_ID, *consumes]))
         self.batch_size = n * groups_per_lease
 
-    def placeholder(self, batch: Batch) -> dict[str, Any]:
-        resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
-        return {C.ADVANTAGES: RaggedTensor(torch.zeros(resp.numel_packed, dtype=torch.float32), resp.offsets)}
-
     async def handle(self, meta: BatchMeta, batch: Batch) -> None:
-        # a group with a failed row is skipped whole (the trainer drops it); others get advantages
-        ctx = self.ctx
-        good = (~ctx.outcomes.group_mask(meta.row_ids, batch[C.GROUP_ID])).nonzero().squeeze(1)
-        out = self.placeholder(batch)
-        if good.numel():
-            sub = batch if good.numel() == batch.num_rows else batch.select(good)
-            result = self.algorithm.compute_advantages(sub)
-            adv = result[C.ADVANTAGES]
-            if C.FILTERED in result.columns:
-                # dynamic sampling: the algorithm filters these samples out; the trainer drops their groups
-                ctx.outcomes.filter(self.name, meta.row_ids[good][result[C.FILTERED].to(torch.bool).reshape(-1)])
-            out = merge_outputs(batch, good, {C.ADVANTAGES: adv}, out)
-        ctx.processed[self.name] += int(good.numel())
-        await ctx.store.put(out, rows=meta)
+        await self.ctx.store.put(group_advantages(self.ctx, self.algorithm, meta.row_ids, batch), rows=meta)

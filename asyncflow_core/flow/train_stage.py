@@ -1,4 +1,16 @@
-"""The train stage: gathers B fresh prompt groups per step, trains, publishes the new weights."""
+"""The train stage: gathers B fresh prompt groups per step, trains, publishes the new weights.
+
+Folded advantages. For an algorithm that declares ``advantage_scope: group``
+(each group's advantages depend on that group's rows only) and a train
+sampler that leases whole groups, the train stage computes the advantages in
+its own lease (:func:`group_advantages`, the advantage stage's code) and the
+run has no advantage stage: that stage's ``get_meta``, ``get``, ``put`` and
+``ack`` per lease are gone. Every group the trainer reads has passed every
+other stage (log-prob stages included) because the train stage consumes
+their columns; failed groups skip it, filtered groups (dynamic sampling)
+are marked before the staleness split, as when the stage ran first. See
+docs/architecture.md ("Advantages").
+"""
 
 from __future__ import annotations
 
@@ -13,15 +25,37 @@ from asyncflow_core import columns as C
 from asyncflow_core.errors import AsyncflowError, EngineError
 from asyncflow_core.flow import staleness as S
 from asyncflow_core.flow.events import VersionPublished
-from asyncflow_core.flow.outcomes import RowOutcome
+from asyncflow_core.flow.outcomes import RowOutcome, merge_outputs
 from asyncflow_core.flow.rollout_stage import RolloutStage
 from asyncflow_core.flow.stage import LEDGER, Stage
 from asyncflow_core.interfaces import Algorithm, TrainEngine, WeightTransport
 from asyncflow_core.interfaces.features import algorithm_features
 from asyncflow_core.interfaces.store import BatchMeta
-from asyncflow_core.types import Batch
+from asyncflow_core.types import Batch, Column, RaggedTensor
 
-__all__ = ["TrainStage"]
+__all__ = ["ADVANTAGE", "TrainStage", "group_advantages"]
+
+#: the advantage stage's name: its store task, telemetry lane, processed count and the stage its filters name
+ADVANTAGE = "advantage"
+
+
+def group_advantages(ctx: Any, algorithm: Algorithm, row_ids: torch.Tensor, batch: Batch) -> dict[str, Column]:
+    """The ``advantages`` column of ``batch`` (whole prompt groups, store rows ``row_ids``), as the advantage stage
+    writes it: a group with a failed row is skipped whole (zeros; the trainer drops it), the others get
+    ``algorithm.compute_advantages``; samples it filters out (dynamic sampling) are marked, so the trainer drops
+    their groups. Counts the rows computed as the advantage stage's."""
+    good = (~ctx.outcomes.group_mask(row_ids, batch[C.GROUP_ID])).nonzero().squeeze(1)
+    resp: RaggedTensor = batch[C.RESPONSE_IDS]  # type: ignore[assignment]
+    out: dict[str, Column] = {C.ADVANTAGES: RaggedTensor(torch.zeros(resp.numel_packed, dtype=torch.float32),
+                                                         resp.offsets)}
+    if good.numel():
+        sub = batch if good.numel() == batch.num_rows else batch.select(good)
+        result = algorithm.compute_advantages(sub)
+        if C.FILTERED in result.columns:
+            ctx.outcomes.filter(ADVANTAGE, row_ids[good][result[C.FILTERED].to(torch.bool).reshape(-1)])
+        out = merge_outputs(batch, good, {C.ADVANTAGES: result[C.ADVANTAGES]}, out)
+    ctx.processed[ADVANTAGE] += int(good.numel())
+    return out
 
 
 class TrainStage(Stage):
@@ -38,13 +72,16 @@ class TrainStage(Stage):
     def __init__(
         self, engine: TrainEngine, algorithm: Algorithm, transport: WeightTransport, rollout: RolloutStage | None, *,
         consumes: Sequence[str], total_steps: int, bucket_bytes: int, deadline_s: float, colocated: bool,
-        sampler: str = "group", lock: asyncio.Lock | None = None, canary: Any = None,
+        sampler: str = "group", lock: asyncio.Lock | None = None, canary: Any = None, fold_advantages: bool = False,
     ) -> None:
         self.engine = engine
         self.algorithm = algorithm
         self.transport = transport
         self.rollout = rollout
-        self.consumes = tuple(dict.fromkeys([C.PROMPT_IDS, C.RESPONSE_IDS, C.GROUP_ID, C.ADVANTAGES, *consumes]))
+        #: compute group-scoped advantages in each lease (no advantage stage); the pipeline decides (pipeline.py)
+        self.fold_advantages = fold_advantages
+        cols = [C.PROMPT_IDS, C.RESPONSE_IDS, C.GROUP_ID, C.ADVANTAGES, *consumes]
+        self.consumes = tuple(dict.fromkeys(c for c in cols if not (fold_advantages and c == C.ADVANTAGES)))
         self.total_steps = total_steps
         self.bucket_bytes = bucket_bytes
         self.deadline_s = deadline_s
@@ -74,6 +111,9 @@ class TrainStage(Stage):
                         ended = True
                         break
                     batch = await ctx.store.get(meta)
+                    if self.fold_advantages:  # before the staleness split, as when the advantage stage ran first
+                        with ctx.timeline.span(ADVANTAGE, "advantages"):
+                            batch = batch.with_columns(**group_advantages(ctx, self.algorithm, meta.row_ids, batch))
                     keep = self._settle(v, meta, batch)
                     if keep.numel():
                         leases.append(meta)

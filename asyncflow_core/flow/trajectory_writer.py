@@ -1,9 +1,10 @@
 """Writes finished generations to the store as the rollout columns, in batches, and acknowledges their leases.
 
 A request is written once (its result, or None for a row settled without
-one: placeholder columns). Writes are batched: 64 rows at once, or
-whatever arrived within ``interval_s`` of the first; a lease is
-acknowledged once every row it carried was written.
+one: placeholder columns). Writes are batched: whatever arrived within ``interval_s`` of the first
+row, or, once 64 rows wait, every row written by the end of that event-loop
+turn (an engine's burst of results is one put); a lease is acknowledged once
+every row it carried was written.
 
 A multi-turn episode is written as a :class:`~asyncflow_core.types.episode.Trajectory`
 (the writer's ``columns`` then include :data:`asyncflow_core.columns.EPISODE_COLUMNS`):
@@ -61,17 +62,22 @@ class TrajectoryWriter:
         self.score: Callable[..., Any] | None = None
         self._buffer: list[tuple[Any, GenerationResult | Trajectory | None]] = []
         self._flush_scheduled = False
+        self._flush_soon = False  #: a flush is scheduled for the end of this loop turn (the buffer reached 64 rows)
 
     async def write(self, req: Any, res: GenerationResult | Trajectory | None) -> None:
         self._buffer.append((req, res))
         if len(self._buffer) >= _BATCH_ROWS:
-            await self.flush()
+            if not self._flush_soon:
+                # at the end of this event-loop turn, not now: the rest of an engine's burst of results (the
+                # torch engine hands a whole batch over at once) joins the same put, one store call per burst
+                self._flush_soon = True
+                asyncio.get_running_loop().call_soon(lambda: self.spawn(self.flush()))
         elif not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_later(self.interval_s, lambda: self.spawn(self.flush()))
 
     async def flush(self) -> None:
-        self._flush_scheduled = False
+        self._flush_scheduled = self._flush_soon = False
         if not self._buffer:
             return
         ctx = self.ctx

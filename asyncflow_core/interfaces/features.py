@@ -113,8 +113,10 @@ class AlgorithmFeatures(Features):
 
     advantage_scope: str = Field(
         "group", pattern="^(group|step)$",
-        description="group: compute_advantages needs one whole prompt group at a time (the advantage stage); "
-        "step: it normalises over the whole optimizer step, so the train stage calls it on the step's rows."
+        description="group: compute_advantages needs whole prompt groups, and a group's advantages read only its "
+        "own rows (the train stage computes them in its lease of whole groups, or the advantage stage does: "
+        "pipeline.fold_advantages); step: it normalises over the whole optimizer step, so the train stage calls it "
+        "on the step's rows."
     )
     honours_loss_mask: bool = Field(
         False, description="Its loss skips tokens with loss_mask 0 (observations, tool output): required for "

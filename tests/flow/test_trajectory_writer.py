@@ -61,21 +61,24 @@ def test_rows_are_written_as_the_rollout_columns_and_a_lease_is_acked_once_whole
     assert ctx.processed["rollout"] == 3 and ctx.counters["tokens_generated"] == 5
 
 
-def test_64_rows_flush_at_once():
+def test_64_rows_flush_at_the_end_of_the_turn_with_the_rest_of_the_burst():
     store = FakeStore()
     ctx = SimpleNamespace(store=store, version=0, processed=Counter(), counters=Counter())
     w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
                          on_written=lambda: None)
     w.ctx = ctx
-    lease = SimpleNamespace(meta="L", remaining=64)
+    lease = SimpleNamespace(meta="L", remaining=100)
 
     async def main():
-        for i in range(64):
+        for i in range(100):  # one engine burst: written in one event-loop turn
             await w.write(SimpleNamespace(row=i, lease=lease), _res(f"r{i}", 1, v=(0, 0)))
+        assert store.puts == []  # 64 rows wait: the flush runs once this turn ends, with the whole burst
+        for _ in range(3):
+            await asyncio.sleep(0)
 
-    asyncio.run(main())
+    asyncio.run(main())  # well before the 10 s interval
     assert len(store.puts) == 1 and store.acks == ["L"]
-    assert torch.equal(torch.tensor(store.puts[0][1]), torch.arange(64))
+    assert torch.equal(torch.tensor(store.puts[0][1]), torch.arange(100))
 
 
 def test_episodes_are_written_with_mask_turns_carried_versions_and_per_episode_columns():
