@@ -2,7 +2,15 @@
 
 import torch
 
-from asyncflow_spec import AlgorithmSpec, DatasetSpec, RewardSpec, RolloutEngineSpec, TrainEngineSpec, WeightTransportSpec
+from asyncflow_spec import (
+    AlgorithmSpec,
+    DatasetSpec,
+    RewardSpec,
+    RolloutEngineSpec,
+    SamplerSpec,
+    TrainEngineSpec,
+    WeightTransportSpec,
+)
 
 from pathlib import Path
 
@@ -60,3 +68,20 @@ class TestExactMatch(RewardSpec):
 class TestJsonl(DatasetSpec):
     backend = "jsonl"
     options = {"path": EXAMPLE_DATA}
+
+
+class TestFifoSampler(SamplerSpec):
+    backend = "fifo"
+
+
+class TestGroupSampler(SamplerSpec):
+    backend = "group"
+
+
+class TestTokenBalancedSampler(SamplerSpec):
+    backend = "token_balanced"
+
+
+class TestSimilarLengthSampler(SamplerSpec):
+    backend = "similar_length"
+

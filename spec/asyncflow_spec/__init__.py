@@ -18,6 +18,7 @@ from asyncflow_spec.dataset import DatasetSpec
 from asyncflow_spec.environment import EnvironmentSpec
 from asyncflow_spec.reward import RewardSpec
 from asyncflow_spec.rollout import RolloutEngineSpec
+from asyncflow_spec.sampler import SamplerSpec
 from asyncflow_spec.stage import StageSpec
 from asyncflow_spec.store import StoreSpec
 from asyncflow_spec.train import TrainEngineSpec
@@ -33,6 +34,7 @@ SPEC_CLASSES: dict[PluginKind, type[BackendSpec]] = {
     PluginKind.DATASET: DatasetSpec,
     PluginKind.STAGE: StageSpec,
     PluginKind.ENVIRONMENT: EnvironmentSpec,
+    PluginKind.SAMPLER: SamplerSpec,
 }
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "EnvironmentSpec",
     "RewardSpec",
     "RolloutEngineSpec",
+    "SamplerSpec",
     "StageSpec",
     "StoreSpec",
     "TrainEngineSpec",
