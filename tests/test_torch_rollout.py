@@ -536,3 +536,35 @@ def test_bad_requests_fail_alone():
     assert results["ok"].finish_reason is FinishReason.LENGTH
     assert results["oov"].finish_reason is FinishReason.ERROR and "vocabulary" in results["oov"].error
     assert results["long"].finish_reason is FinishReason.ERROR and "max_position_embeddings" in results["long"].error
+
+
+def test_decoding_uses_the_thread_count_the_engine_started_with():
+    """torch's intra-op thread count is per thread once a thread has computed (OpenMP), so a worker thread that
+    ran torch before keeps its count; the engine decodes with the count its start saw (what a trainer sharing the
+    host left, or ``torch_threads``), whatever the worker had."""
+    import threading
+
+    seen: list[int] = []
+
+    async def body():
+        engine = await started(max_batch=4)
+        step = engine._step
+
+        def recording(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return step(*args, **kwargs)
+
+        engine._step = recording
+        try:
+            def spoil():  # the executor's threads have computed with 2 threads before the engine decodes on them
+                torch.set_num_threads(2)
+                torch.ones(64).sum()
+            await asyncio.gather(*(asyncio.to_thread(spoil) for _ in range(4)))
+            torch.set_num_threads(1)  # the calling thread, as the module fixture left it
+            return await collect(engine.generate([request(f"r{i}", max_new_tokens=3) for i in range(4)]))
+        finally:
+            await engine.shutdown()
+
+    results = run(body())
+    assert len(results) == 4 and seen and set(seen) == {1}, seen
+    assert threading.current_thread() is threading.main_thread()

@@ -308,8 +308,9 @@ class RankWorkerBase:
     def set_cpu_threads(self, others: int = 0) -> None:
         """This rank's intra-op threads: ``cpu_threads_per_rank``, or the host's cores shared by the ranks and
         ``others`` more busy processes (an engine whose driver computes beside its ranks counts it here)."""
-        c = self.config
-        torch.set_num_threads(c.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // (self.world_size + others)))
+        from asyncflow_core.launchers.ranks import rank_cpu_threads
+
+        torch.set_num_threads(rank_cpu_threads(self.world_size, others, self.config.cpu_threads_per_rank))
 
     def join_group(self, port: int, backend: str) -> None:
         """Join the default process group, rendezvous on loopback at rank 0's ``port`` (from ``bind``)."""

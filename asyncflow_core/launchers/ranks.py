@@ -320,10 +320,23 @@ def start_rank_group(world_size: int, target: Callable[..., None], args: tuple[A
     return rank_spawner().start(world_size, target, args, start_method=start_method, preload=preload, name=name)
 
 
+def rank_cpu_threads(world_size: int, others: int = 0, explicit: int | None = None) -> int:
+    """Intra-op threads of one CPU rank: ``explicit``, or this host's cores shared by the ``world_size`` ranks and
+    ``others`` more busy processes (at least 1)."""
+    return explicit or max(1, (os.cpu_count() or 1) // (world_size + others))
+
+
+def driver_cpu_threads(world_size: int, per_rank: int) -> int:
+    """Intra-op threads left to the process that started ``world_size`` CPU ranks of ``per_rank`` threads each on
+    this host (at least 1): what a rollout engine computing in that process should use beside them."""
+    return max(1, (os.cpu_count() or 1) - world_size * per_rank)
+
+
 def gpus_for_ranks(world_size: int) -> int:
     """GPUs a rank group started now could use together (:meth:`RankSpawner.gpus_for_ranks` of :func:`rank_spawner`)."""
     return rank_spawner().gpus_for_ranks(world_size)
 
 
-__all__ = ["RankError", "RankGroup", "RankHandle", "RankSpawner", "gpus_for_ranks", "install_rank_spawner",
+__all__ = ["RankError", "RankGroup", "RankHandle", "RankSpawner", "driver_cpu_threads", "gpus_for_ranks",
+           "install_rank_spawner", "rank_cpu_threads",
            "rank_spawner", "start_rank_group", "use_rank_spawner"]

@@ -146,7 +146,9 @@ class TorchRolloutConfig(BaseModel):
     torch_threads: int | None = Field(
         None,
         ge=1,
-        description="Set torch's CPU intra-op threads at start (process-wide); unset leaves torch's default.",
+        description="Set torch's CPU intra-op threads at start, and decode with them; unset: the count the "
+        "process's calling thread has at start (torch's default, or what a trainer whose CPU ranks share this host "
+        "left to this process: the fsdp engine's cpu_threads_per_rank).",
     )
     share_contexts: bool = Field(
         True,
@@ -258,6 +260,7 @@ class TorchRolloutEngine(RolloutEngine):
         self._paused = False  # no decoding step runs
         self._scheduler: asyncio.Task | None = None
         self._failure: EngineError | None = None
+        self._threads = torch.get_num_threads()  #: intra-op threads the decoding thread uses (set again at start)
         self._shut = False
         self._lora: LoraSpec | None = None
         self._adapter: _Adapter | None = None
@@ -280,6 +283,10 @@ class TorchRolloutEngine(RolloutEngine):
             return
         if self.config.torch_threads is not None:
             torch.set_num_threads(self.config.torch_threads)
+        # the count the decoding thread keeps to: with OpenMP, torch's thread count is per thread once a thread has
+        # computed, so a worker thread would otherwise keep whatever it had (a trainer whose CPU ranks share this
+        # host lowers the calling thread's count before the engine starts: fsdp's _share_cpu)
+        self._threads = torch.get_num_threads()
         try:
             net = await asyncio.to_thread(
                 build_causal_lm, self.model_config, seed=self.config.init_seed, device=self.device
@@ -682,6 +689,8 @@ class TorchRolloutEngine(RolloutEngine):
         ran. Sequences finished on the way are delivered at once (``deliver``, thread-safe); the last
         step's are returned. The lock stays held throughout, so a step boundary is still the safe point.
         """
+        if torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
         finished = self._step(admit, decode, version)
         for _ in range(_STEPS_PER_CALL - 1):
             if self._batch is None or self._work.is_set() or self._paused:

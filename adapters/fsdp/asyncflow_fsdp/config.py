@@ -48,7 +48,8 @@ class FSDPTrainConfig(BaseModel):
     )
     cpu_threads_per_rank: int | None = Field(
         None, ge=1, description="torch threads per rank on CPU; default: the CPU count divided by world_size + 1 "
-        "(at least 1): the driver's process, where the rollout engine generates beside training, keeps a share."
+        "(at least 1): the driver's process, where the rollout engine generates beside training, keeps a share, and "
+        "keeps to it: with CPU ranks on its host, setup lowers its own torch threads to the cores left."
     )
     shard: Literal["auto", "always", "never"] = Field(
         "auto", description="Wrap the model in FSDP2 (fully_shard). auto: not at world_size 1 unless a GPU "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import weakref
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,18 @@ from asyncflow_core.errors import EngineError, UnsupportedFeatureError
 from asyncflow_core.interfaces import Algorithm, TrainEngine, TrainFeatures
 from asyncflow_core.launchers.packing import StepPlan, plan_step
 from asyncflow_core.launchers.rank_driver import RankEngineDriver, reassemble, select_rows
-from asyncflow_core.launchers.ranks import RankHandle, gpus_for_ranks, start_rank_group
+from asyncflow_core.launchers.ranks import (
+    RankGroup,
+    RankHandle,
+    driver_cpu_threads,
+    gpus_for_ranks,
+    rank_cpu_threads,
+    start_rank_group,
+)
 from asyncflow_core.types import Batch
 from asyncflow_fsdp.config import FSDPTrainConfig
+
+log = logging.getLogger("asyncflow.fsdp")
 
 #: imported by the forkserver once, so that forking a rank costs milliseconds instead of a torch import
 FORKSERVER_PRELOAD = ("asyncflow_fsdp.worker",)
@@ -67,6 +77,8 @@ class FSDPTrainEngine(RankEngineDriver, TrainEngine):
         self._rank_devices: list[str] = []
         self._device_type = "cpu"
         self._finalizer: weakref.finalize | None = None
+        #: (torch threads before setup, what setup set) when setup lowered this process's threads (_share_cpu)
+        self._threads_before: tuple[int, int] | None = None
 
     # -- properties -------------------------------------------------------------
 
@@ -105,6 +117,27 @@ class FSDPTrainEngine(RankEngineDriver, TrainEngine):
                               "engine's `model` option")
         self._device_type = self._resolve_device()
         await self._run("setup", self._start)
+        self._share_cpu()
+
+    def _share_cpu(self) -> None:
+        """CPU ranks started as child processes of this one take ``cpu_threads_per_rank`` threads each (default:
+        the cores over ``world_size + 1``, a share left to this process, where a rollout engine generates while
+        they train); this process then keeps to what is left, so the two do not oversubscribe the cores (torch's
+        threads on a shared core spin and wait on each other). Only ever lowers torch's intra-op threads, on the
+        calling (event-loop) thread, which a ``torch`` rollout engine started later adopts unless its
+        ``torch_threads`` says otherwise; :meth:`shutdown` restores them."""
+        c = self.config
+        if self._device_type != "cpu" or not isinstance(self._group, RankGroup):
+            return  # GPU ranks, or ranks elsewhere (ray actors): nothing of this host's cores to share
+        import torch
+
+        share = driver_cpu_threads(c.world_size, rank_cpu_threads(c.world_size, 1, c.cpu_threads_per_rank))
+        have = torch.get_num_threads()
+        if have > share:
+            torch.set_num_threads(share)
+            self._threads_before = (have, share)
+            log.info("this process computes with %d torch threads (was %d): the %d CPU rank(s) take the other cores",
+                     share, have, c.world_size)
 
     def _resolve_device(self) -> str:
         c = self.config
@@ -134,6 +167,12 @@ class FSDPTrainEngine(RankEngineDriver, TrainEngine):
 
     async def shutdown(self) -> None:
         group, self._group = self._group, None
+        threads, self._threads_before = self._threads_before, None
+        if threads is not None:
+            import torch
+
+            if torch.get_num_threads() == threads[1]:  # nobody changed them since: give the cores back
+                torch.set_num_threads(threads[0])
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None

@@ -555,3 +555,28 @@ def test_rows_are_balanced_by_tokens():
     assert [m.tolist() for m in micro_batches(torch.tensor([5, 1, 4]), 8)] == [[0], [2, 1]]
 
 
+def test_cpu_ranks_leave_this_process_the_other_cores_and_shutdown_gives_them_back():
+    """CPU ranks as child processes take ``cpu_threads_per_rank`` threads each; the driver's process (where a
+    rollout engine generates beside them) keeps to the cores left, at least one, and gets its count back at
+    shutdown. Holds on any core count: with every core in use before, the count during is exactly what is left."""
+    from asyncflow_core.launchers.ranks import driver_cpu_threads
+
+    cores = os.cpu_count() or 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(cores)  # torch's default on most hosts: every core
+    try:
+        engine = make(cpu_threads_per_rank=1)
+
+        async def main():
+            await engine.setup()
+            try:
+                return torch.get_num_threads(), engine.config.world_size
+            finally:
+                await engine.shutdown()
+
+        during, world = run(main())
+        assert during == min(cores, driver_cpu_threads(world, 1)) == min(cores, max(1, cores - world)), during
+        assert torch.get_num_threads() == cores
+    finally:
+        torch.set_num_threads(before)
+
