@@ -89,8 +89,12 @@ class InlineReward:
         stage = self.stage
         if getattr(stage, "ctx", None) is not ctx:
             stage.bind(ctx)
-        batch = Batch({C.PROMPT_IDS: _prompt_ids([q.prompt for q, _ in items]), C.RESPONSE_IDS: cols[C.RESPONSE_IDS],
-                       C.GROUP_ID: torch.tensor([q.group for q, _ in items], dtype=torch.int64)}, row_ids=rows)
+        columns: dict[str, Column] = {C.RESPONSE_IDS: cols[C.RESPONSE_IDS],
+                                      C.GROUP_ID: torch.tensor([q.group for q, _ in items], dtype=torch.int64)}
+        if stage.needs_text:  # the stage reads prompt ids only for a reward that reads text (RewardStage._texts):
+            # a simulated step's prompts are millions of ids that a lengths-only reward never looks at
+            columns[C.PROMPT_IDS] = _prompt_ids([q.prompt for q, _ in items])
+        batch = Batch(columns, row_ids=rows)
         with ctx.timeline.span("reward", stage.span_name):
             out, _ = await stage.outputs(rows, batch)
         return out

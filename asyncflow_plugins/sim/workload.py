@@ -67,6 +67,10 @@ class SimReward(Reward):
     """1 with probability ``p_correct``, a deterministic function of the completion's tokens; reads no text."""
 
     needs_text = False
+    #: synchronous and free: a run scores it in the rollout stage's write, with no reward stage (the inline reward,
+    #: flow/reward_inline.py; the same schedule and rewards). With seconds_per_sample > 0 it scores batches
+    #: (score_many), so the reward stage keeps it and its modelled time overlaps rollout.
+    local = True
 
     def __init__(self, config: SimRewardConfig | None = None) -> None:
         self.config = config or SimRewardConfig()
