@@ -2,9 +2,10 @@
 
 A request is written once (its result, or None for a row settled without
 one: placeholder columns). Writes are batched: whatever arrived within ``interval_s`` of the first
-row, or, once 64 rows wait, every row written by the end of that event-loop
-turn (an engine's burst of results is one put); a lease is acknowledged once
-every row it carried was written.
+row, or, once 64 rows wait or a lease's last row comes, every row written by
+the end of that event-loop turn (an engine's burst of results is one put, and
+the end of a lease waits for no timer); a lease is acknowledged once every
+row it carried was written.
 
 A multi-turn episode is written as a :class:`~asyncflow_core.types.episode.Trajectory`
 (the writer's ``columns`` then include :data:`asyncflow_core.columns.EPISODE_COLUMNS`):
@@ -62,11 +63,18 @@ class TrajectoryWriter:
         self.score: Callable[..., Any] | None = None
         self._buffer: list[tuple[Any, GenerationResult | Trajectory | None]] = []
         self._flush_scheduled = False
-        self._flush_soon = False  #: a flush is scheduled for the end of this loop turn (the buffer reached 64 rows)
+        #: a flush is scheduled for the end of this loop turn (64 rows wait, or a lease's last row came)
+        self._flush_soon = False
+        #: rows waiting in the buffer per lease (id of the lease object)
+        self._held: dict[int, int] = {}
 
     async def write(self, req: Any, res: GenerationResult | Trajectory | None) -> None:
         self._buffer.append((req, res))
-        if len(self._buffer) >= _BATCH_ROWS:
+        lease = req.lease
+        held = self._held[id(lease)] = self._held.get(id(lease), 0) + 1
+        # the lease's last row (every row it carried is written or waiting here): nothing more of it will come, so
+        # waiting out the interval would only delay its groups (in a sync step, the step itself)
+        if len(self._buffer) >= _BATCH_ROWS or held >= lease.remaining:
             if not self._flush_soon:
                 # at the end of this event-loop turn, not now: the rest of an engine's burst of results (the
                 # torch engine hands a whole batch over at once) joins the same put, one store call per burst
@@ -82,6 +90,7 @@ class TrajectoryWriter:
             return
         ctx = self.ctx
         items, self._buffer = self._buffer, []
+        self._held = {}
         rows = torch.tensor([q.row for q, _ in items], dtype=torch.int64)
         if len(self.columns) > len(ROLLOUT_OUT):
             cols, vrange, sampled = self._episode_columns(items)

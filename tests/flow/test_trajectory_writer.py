@@ -81,6 +81,33 @@ def test_64_rows_flush_at_the_end_of_the_turn_with_the_rest_of_the_burst():
     assert torch.equal(torch.tensor(store.puts[0][1]), torch.arange(100))
 
 
+def test_a_leases_last_row_is_put_at_the_end_of_the_turn_not_after_the_timer():
+    """A lease whose every row is written waits for no timer (in a sync step its groups are the step); a lease
+    with rows still out waits for the interval as before."""
+    store = FakeStore()
+    ctx = SimpleNamespace(store=store, version=0, processed=Counter(), counters=Counter())
+    w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
+                         on_written=lambda: None)
+    w.ctx = ctx
+    whole = SimpleNamespace(meta="W", remaining=3)
+    open_ = SimpleNamespace(meta="O", remaining=5)
+
+    async def main():
+        await w.write(SimpleNamespace(row=0, lease=open_), _res("o0", 1, v=(0, 0)))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert store.puts == []  # 4 of the open lease's rows are still out: the 10 s timer holds the row
+        for i in range(3):
+            await w.write(SimpleNamespace(row=10 + i, lease=whole), _res(f"w{i}", 1, v=(0, 0)))
+        assert store.puts == []  # at the end of this turn, not inside it
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    asyncio.run(main())  # well before the 10 s interval
+    assert len(store.puts) == 1 and store.puts[0][1] == [0, 10, 11, 12] and store.acks == ["W"]
+    assert open_.remaining == 4 and whole.remaining == 0
+
+
 def test_episodes_are_written_with_mask_turns_carried_versions_and_per_episode_columns():
     from asyncflow_core.types.episode import Segment, Trajectory
 
