@@ -320,3 +320,27 @@ def test_the_walk_steps_over_one_worse_node_along_the_split(monkeypatch):
         assert pick == Candidate(4, False, 48, 80, 8), cutoff  # 80r at 120: over the dip at 72r
         screened = {c.rollout_devices for c in done if c.k == 4 and c.devices_per_replica == 8}
         assert 96 in screened and 104 not in screened  # 88r and 96r both below 80r: the walk ends on that side
+
+
+def test_a_simulation_leaves_nothing_of_its_run_behind():
+    """A planner's worker simulates placement after placement in one process: each run's object graph (store
+    arenas, engines, the flow context) must be gone when ``simulate`` returns, not left as cyclic garbage for
+    the collector's rare full passes (a 128-device full sweep grew a worker to 12 GB that way)."""
+    import gc
+
+    from asyncflow_core.cli.plan import simulate
+    from asyncflow_core.config.loader import read_yaml
+    from asyncflow_core.flow.runtime import FlowRuntime
+    from asyncflow_core.flow.stage import FlowContext
+
+    gc.collect()
+    raw = read_yaml(EXAMPLE)
+    thresholds = gc.get_threshold()
+    gc.disable()  # no collection of the test's own timing may hide what simulate leaves
+    try:
+        simulate(raw, SMALL, Candidate(1, False, 8, 24, 8), 1)
+        left = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (FlowRuntime, FlowContext))]
+    finally:
+        gc.enable()
+        gc.set_threshold(*thresholds)
+    assert left == [], left

@@ -37,6 +37,7 @@ it needs no import of the plugins.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -325,6 +326,8 @@ def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measure
         if "at" not in cut and _DONE not in str(exc):
             raise
         summary = runtime.summary
+    finally:
+        del runtime
     wall = time.perf_counter() - t0
     ends = summary["step_end_s"]
     if "at" in cut:
@@ -332,6 +335,11 @@ def simulate(raw: dict[str, Any], overrides: list[str], cand: Candidate, measure
     else:
         steady = (len(ends) - warm) * per_step / (ends[-1] - ends[warm - 1]) if len(ends) > warm else 0.0
     generated = sum(e.stats.tokens_generated for s, e in roles.built if s == "rollout")
+    del roles
+    # a run leaves its whole object graph (store arenas, engines, the context) as cyclic garbage, which the
+    # collector's oldest generation reaches only now and then: a worker that simulates placement after placement
+    # grew by ~150 MB a simulation (12 GB in a 128-device full sweep) until this collection
+    gc.collect()
     delivered = int(summary["counters"].get("tokens_generated", 0))
     hist = {int(k): v for k, v in summary["staleness_histogram"].items()}
     trained = sum(hist.values())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -390,6 +391,10 @@ def run_flow(resolved: ResolvedConfig, *, virtual: bool = False, run_dir: Path |
     if virtual:
         from asyncflow_core.flow.clock import run_virtual
 
-        return run_virtual(runtime.run())
+        try:
+            return run_virtual(runtime.run())
+        finally:  # the run's graph is cyclic garbage: freed now, not at a rare full pass (run after run: calibration)
+            del runtime
+            gc.collect()
     return asyncio.run(runtime.run())
 
