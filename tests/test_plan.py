@@ -333,13 +333,17 @@ def test_a_simulation_leaves_nothing_of_its_run_behind():
     from asyncflow_core.flow.runtime import FlowRuntime
     from asyncflow_core.flow.stage import FlowContext
 
+    def runs() -> dict[int, str]:
+        return {id(o): type(o).__name__ for o in gc.get_objects() if isinstance(o, (FlowRuntime, FlowContext))}
+
     gc.collect()
+    before = runs()  # what other tests still hold (a failed test's traceback keeps its run alive), not garbage
     raw = read_yaml(EXAMPLE)
     thresholds = gc.get_threshold()
     gc.disable()  # no collection of the test's own timing may hide what simulate leaves
     try:
         simulate(raw, SMALL, Candidate(1, False, 8, 24, 8), 1)
-        left = [type(o).__name__ for o in gc.get_objects() if isinstance(o, (FlowRuntime, FlowContext))]
+        left = [name for i, name in runs().items() if i not in before]
     finally:
         gc.enable()
         gc.set_threshold(*thresholds)
