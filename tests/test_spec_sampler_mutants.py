@@ -10,6 +10,14 @@ from asyncflow_plugins.samplers import FifoSampler, GroupSampler
 from asyncflow_spec import SamplerSpec
 
 
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+def _short(n: int, request: SampleRequest) -> bool:
+    """No candidate, or fewer than a full batch without ``partial``: the contract's empty pick."""
+    return n == 0 or (n < request.batch_size and not request.partial)
+
+
 class NewestButDeclaresOldest(FifoSampler):
     """Picks the newest rows while still declaring ``takes_oldest``: the store would lease the oldest instead."""
 
@@ -17,9 +25,7 @@ class NewestButDeclaresOldest(FifoSampler):
 
     def sample(self, candidates: Candidates, request: SampleRequest) -> torch.Tensor:
         n = len(candidates)
-        if n == 0 or (n < request.batch_size and not request.partial):
-            return torch.empty(0, dtype=torch.int64)
-        return torch.arange(max(0, n - request.batch_size), n)
+        return _NONE if _short(n, request) else torch.arange(max(0, n - request.batch_size), n)
 
 
 class HalfGroups(GroupSampler):
@@ -46,9 +52,7 @@ class Seeded(FifoSampler):
 
     def sample(self, candidates: Candidates, request: SampleRequest) -> torch.Tensor:
         n = len(candidates)
-        if n == 0 or (n < request.batch_size and not request.partial):
-            return torch.empty(0, dtype=torch.int64)
-        return torch.randperm(n)[: request.batch_size].sort().values
+        return _NONE if _short(n, request) else torch.randperm(n)[: request.batch_size].sort().values
 
 
 def _spec_test(name: str):

@@ -61,13 +61,18 @@ def test_rows_are_written_as_the_rollout_columns_and_a_lease_is_acked_once_whole
     assert ctx.processed["rollout"] == 3 and ctx.counters["tokens_generated"] == 5
 
 
-def test_64_rows_flush_at_the_end_of_the_turn_with_the_rest_of_the_burst():
+def _timed_writer() -> tuple[TrajectoryWriter, FakeStore]:
+    """A writer whose timer (10 s) never fires within a test: any put comes from an end-of-turn flush."""
     store = FakeStore()
-    ctx = SimpleNamespace(store=store, version=0, processed=Counter(), counters=Counter())
     w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
                          on_written=lambda: None)
-    w.ctx = ctx
-    lease = SimpleNamespace(meta="L", remaining=100)
+    w.ctx = SimpleNamespace(store=store, version=0, processed=Counter(), counters=Counter())
+    return w, store
+
+
+def test_64_rows_flush_at_the_end_of_the_turn_with_the_rest_of_the_burst():
+    w, store = _timed_writer()
+    lease = SimpleNamespace(meta="L", remaining=300)  # 200 rows still out: only the 64-row rule can flush
 
     async def main():
         for i in range(100):  # one engine burst: written in one event-loop turn
@@ -77,18 +82,14 @@ def test_64_rows_flush_at_the_end_of_the_turn_with_the_rest_of_the_burst():
             await asyncio.sleep(0)
 
     asyncio.run(main())  # well before the 10 s interval
-    assert len(store.puts) == 1 and store.acks == ["L"]
+    assert len(store.puts) == 1 and store.acks == [] and lease.remaining == 200
     assert torch.equal(torch.tensor(store.puts[0][1]), torch.arange(100))
 
 
 def test_a_leases_last_row_is_put_at_the_end_of_the_turn_not_after_the_timer():
     """A lease whose every row is written waits for no timer (in a sync step its groups are the step); a lease
     with rows still out waits for the interval as before."""
-    store = FakeStore()
-    ctx = SimpleNamespace(store=store, version=0, processed=Counter(), counters=Counter())
-    w = TrajectoryWriter("rollout", interval_s=10.0, spawn=lambda coro: asyncio.ensure_future(coro),
-                         on_written=lambda: None)
-    w.ctx = ctx
+    w, store = _timed_writer()
     whole = SimpleNamespace(meta="W", remaining=3)
     open_ = SimpleNamespace(meta="O", remaining=5)
 
