@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncflow_core.types import FinishReason, GenerationRequest, SamplingParams
 from asyncflow_spec.base import run
@@ -42,7 +43,7 @@ def _requests() -> list[GenerationRequest]:
     return reqs
 
 
-def _generate(share: bool, *, double: bool) -> tuple[dict, list[int]]:
+def _generate(share: bool, *, double: bool, device: str = "cpu") -> tuple[dict, list[int]]:
     """Results by request id and the rows of each forward pass, with sharing on or off.
 
     ``double``: the model in float64, so that the two paths' different orders of additions (a matmul over more
@@ -51,7 +52,7 @@ def _generate(share: bool, *, double: bool) -> tuple[dict, list[int]]:
     rows: list[int] = []
 
     async def body():
-        engine = await started(model={"hf_config": PEAKED}, max_batch=12, share_contexts=share, seed=5)
+        engine = await started(model={"hf_config": PEAKED}, max_batch=12, share_contexts=share, seed=5, device=device)
         if double:
             engine._net.double()
         forward = engine._forward
@@ -166,3 +167,19 @@ def test_the_engine_benchmark_reports_cpu_and_rows_per_batch_for_both_settings()
         assert 1 <= r["forwards_per_batch"] <= 3  # a prefill, then a decode per further token (3 at most)
     # a prefill runs the distinct prompts (32 at most); without sharing, a decode runs every sequence still going
     assert 32 <= shared["forward_rows_per_batch"] < unshared["forward_rows_per_batch"] <= 32 + 2 * 256
+
+
+@pytest.mark.gpu
+def test_shared_rows_on_cuda_sample_what_one_row_per_sequence_samples():
+    """The CUDA path of shared rows (fixed by reading torch 2.13, never run): the row map, the parents' index and
+    the pending tokens live on the device, sampling draws from the engine's CUDA generator. In float64 both paths
+    give the same tokens and log-probs, and fewer rows go through the model."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    shared, shared_rows = _generate(True, double=True, device="cuda")
+    alone, alone_rows = _generate(False, double=True, device="cuda")
+    assert sum(shared_rows) < sum(alone_rows) and len(shared_rows) == len(alone_rows)
+    for rid, res in shared.items():
+        other = alone[rid]
+        assert tuple(res.token_ids) == tuple(other.token_ids) and tuple(res.logprobs) == tuple(other.logprobs), rid
+
