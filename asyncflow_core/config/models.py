@@ -283,6 +283,15 @@ class AsyncConfig(StrictModel):
         "now and the row is not generated again for a group that cannot be trained).",
     )
 
+    start_on_step_weights: bool = Field(
+        False,
+        description="A prompt starts only on weights that the step it is admitted for can use (that step - k), "
+        "counting steps in admission order. Suits short, even completions, where every prompt is trained at its own "
+        "step: otherwise the prompts admitted while a replica still loads the newest version start on the version "
+        "before and are generated twice. Leave it off for long tails, where later prompts often finish first and "
+        "train a step early on those older weights. Scheduling only: the bound is the same either way.",
+    )
+
     @model_validator(mode="after")
     def _staleness_matches_mode(self) -> AsyncConfig:
         implied = _MODE_STALENESS.get(self.mode)

@@ -137,16 +137,18 @@ class EnginePool:
             self._by_free = [(len(q.inflight) - self.max_inflight, q.index) for q in self.replicas]
             heapq.heapify(self._by_free)
 
-    def next_replica(self, aside: list[tuple[int, int]]) -> Replica | None:
-        """The eligible replica with the most free slots (lowest index on ties), or None; ineligible replicas
-        with free slots are put ``aside`` (hand them to :meth:`put_back` after the dispatch)."""
+    def next_replica(self, aside: list[tuple[int, int]],
+                     accept: Callable[[Replica], bool] | None = None) -> Replica | None:
+        """The eligible replica with the most free slots (lowest index on ties) that ``accept`` takes (default:
+        any), or None; the others with free slots are put ``aside`` (hand them to :meth:`put_back` after the
+        dispatch)."""
         heap = self._by_free
         while heap:
             neg_free, idx = heap[0]
             r = self.replicas[idx]
             if neg_free != len(r.inflight) - self.max_inflight or neg_free >= 0 or r.dead:
                 heapq.heappop(heap)  # stale, full or dead: a change of load (or a restart) pushes a new entry
-            elif not self.eligible(r):
+            elif not self.eligible(r) or (accept is not None and not accept(r)):
                 aside.append(heapq.heappop(heap))
             else:
                 return r

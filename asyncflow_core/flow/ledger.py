@@ -22,6 +22,7 @@ class GroupInfo:
     prompt_uid: int  #: epoch * len(dataset) + index: one admission of one dataset record
     record: PromptRecord
     attempt: int = 0  #: 0 for the first try, +1 per re-queue
+    start_floor: int = 0  #: oldest weights its requests start on (:func:`~asyncflow_core.flow.staleness.start_floor`)
 
 
 @dataclass
@@ -45,6 +46,11 @@ class Ledger:
     def admit(self, prompt_uid: int, record: PromptRecord) -> GroupInfo:
         self.admitted += 1
         return self.new_group(prompt_uid, record)
+
+    def start_floor(self, group_id: int) -> int:
+        """The oldest weights a request of group ``group_id`` starts on (0 for a group no longer live)."""
+        info = self.groups.get(group_id)
+        return 0 if info is None else info.start_floor
 
     @property
     def net_started(self) -> int:

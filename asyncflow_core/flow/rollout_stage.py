@@ -234,21 +234,40 @@ class RolloutStage(TailHandling, EpisodeDriving, EvalDispatch, Stage):
                 if not self._pending:
                     return
         per: dict[int, list[SingleTurn]] = {}
-        assigned = 0
+        taken = 0  # pending requests assigned or held
         aside: list[tuple[int, int]] = []
+        # with async.start_on_step_weights a prompt waits for weights its step can use (the ledger's floor)
+        floor_of = self.ctx.ledger.start_floor if self.guard.tail.step_weights else None
+        lowest = self.ctx.version - self.ctx.k  # weights every eligible replica has (StalenessGuard.may_start)
+        refused: int | None = None  # lowest floor no replica had in this dispatch: prompts at or above it wait
+        held: list[SingleTurn] = []  # prompts whose step needs newer weights than a free replica has
         for req in self._pending:
-            r = self.pool.next_replica(aside)
+            floor = lowest if floor_of is None else floor_of(req.group)
+            if refused is not None and floor >= refused:
+                r = None
+            elif floor <= lowest:
+                r = self.pool.next_replica(aside)
+            else:
+                r = self.pool.next_replica(aside, lambda q: q.engine.version >= floor)
             if r is None:
-                break
+                if floor <= lowest:
+                    break  # no free replica at all
+                held.append(req)
+                taken += 1
+                if refused is None or floor < refused:
+                    refused = floor
+                    self.pool.put_back(aside)  # the replicas it set aside may take an older prompt's floor
+                    aside.clear()
+                continue
             req.start_version = self.guard.start_version(r.engine.version, req.held_versions())
             if req.origin_version is None and self.guard.tail.basis == REQUEST_START:
                 # its age counts from here, across resumes (an episode's: across its turns, flow/multi_turn.py)
                 req.origin_version = req.start_version
             self.pool.assign(r, req.request_id, req)
             per.setdefault(r.index, []).append(req)
-            assigned += 1
+            taken += 1
         self.pool.put_back(aside)
-        self._pending = self._pending[assigned:]
+        self._pending = held + self._pending[taken:]
         for idx, reqs in per.items():
             r = self.replicas[idx]
             self._mark_busy(r)

@@ -99,7 +99,10 @@ class PromptFeeder(Stage):
                 uid, idx = nxt
                 if uid in led.trained or uid in led.dropped:
                     continue  # settled before a resume
-                groups.append(led.admit(uid, self.dataset[idx]))
+                position = led.net_started
+                info = led.admit(uid, self.dataset[idx])
+                info.start_floor = S.start_floor(position, ctx.prompts_per_step, ctx.k, ctx.version)
+                groups.append(info)
             if groups:
                 await self._put(groups)
             elif exhausted and led.outstanding == 0 and not led.requeue:

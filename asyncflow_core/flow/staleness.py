@@ -12,6 +12,9 @@ is the oldest policy version among its generated tokens. With bound ``k``:
   runs more than ``k + 1`` steps' worth of prompts ahead of training;
 - **engines** (:func:`engine_may_start`): a rollout replica whose weights are
   older than ``v - k`` starts nothing new (it would only produce stale rows);
+  and, when declared (``async.start_on_step_weights``), a prompt admitted for
+  step ``s`` waits for weights of ``s - k`` or newer (:func:`start_floor`),
+  which a replica still loading the newest version does not have yet;
 - **in flight** (:func:`must_abort`): when the trainer reaches ``v``, a
   request whose oldest token (or, before its first token, the version the
   replica had when it was submitted) is older than ``v - k`` can no longer
@@ -62,6 +65,8 @@ class TailPolicy:
     overprovision: float = 0.0  #: extra prompts admitted, as a fraction of a step's prompts
     basis: str = OLDEST_TOKEN  #: :data:`OLDEST_TOKEN` or :data:`REQUEST_START`
     stale_tail: str = RESTART  #: :data:`RESTART` or :data:`SETTLE_GROUP`
+    #: a prompt starts only on weights its admission step can use (:func:`start_floor`; ``async.start_on_step_weights``)
+    step_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.overprovision < 0 or self.basis not in (OLDEST_TOKEN, REQUEST_START) or \
@@ -73,7 +78,8 @@ class TailPolicy:
         """The policy an ``async`` config section declares."""
         return cls(float(async_cfg.overprovision), str(getattr(async_cfg.staleness_basis, "value",
                                                                    async_cfg.staleness_basis)),
-                   str(getattr(async_cfg.stale_tail, "value", async_cfg.stale_tail)))
+                   str(getattr(async_cfg.stale_tail, "value", async_cfg.stale_tail)),
+                   bool(getattr(async_cfg, "start_on_step_weights", False)))
 
     def extra_prompts(self, prompts_per_step: int) -> int:
         """Prompts admitted beyond the bound's ``(k + v + 1) x B``."""
@@ -115,6 +121,17 @@ def is_fresh(step_version: int, min_version: torch.Tensor | int, k: int) -> torc
 def oldest_usable(step_version: int, k: int) -> int:
     """The oldest ``min_version`` step ``step_version`` (or any later step) can still use."""
     return step_version - k
+
+
+def start_floor(position: int, prompts_per_step: int, k: int, version: int) -> int:
+    """The oldest weights a prompt should start on: the ``position``-th admission (0-based, net of dropped
+    prompts) is for step ``position // prompts_per_step``, which uses rows of version ``step - k`` or newer.
+
+    Capped at the trainer's ``version`` at admission (weights that exist; over-provisioned prompts beyond the
+    bound's ``k + 1`` steps get that cap). A prompt started on older weights can only be trained earlier than its
+    step, and is otherwise aborted and started again: what the runtime avoids by holding it until a replica has
+    these weights (:attr:`TailPolicy.step_weights`). The bound itself does not depend on it."""
+    return max(0, min(position // prompts_per_step - k, version))
 
 
 def engine_may_start(engine_version: int, trainer_version: int, k: int) -> bool:

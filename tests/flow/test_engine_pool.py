@@ -79,6 +79,17 @@ def test_a_replica_the_owner_holds_back_is_set_aside_then_offered_again():
     assert pool.next_replica([]).index == 0 and pool.free_slots() == 8
 
 
+def test_a_request_the_replica_does_not_suit_sets_it_aside_for_that_request_only():
+    pool = EnginePool([FakeEngine(), FakeEngine()], max_inflight=4)
+    pool[1].engine.version = 3
+    aside: list = []
+    assert pool.next_replica(aside, lambda r: r.engine.version >= 3).index == 1  # 0 has more free slots: tie
+    assert [idx for _, idx in aside] == [0]
+    assert pool.next_replica([], lambda r: r.engine.version >= 4) is None
+    pool.put_back(aside)
+    assert pool.next_replica([]).index == 0 and pool.free_slots() == 8
+
+
 def test_death_returns_the_orphans_and_a_restartable_replica_revives():
     pool = EnginePool([FakeEngine(restartable=True), FakeEngine()], max_inflight=4)
     r0, r1 = pool
