@@ -14,8 +14,10 @@ string is replaced before it touches the disk (docs/security.md).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import heapq
+import itertools
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -69,6 +71,10 @@ class Timeline:
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self.spans: list[Span] = []
+        #: the latest end among ``spans[:i + 1]`` (nondecreasing): a window's scan starts at the first span that
+        #: can reach into it, so each step's utilisation costs the spans since the step began, not the whole run
+        self._reach: list[float] = []
+        self._reach_of = self.spans  #: the list ``_reach`` indexes
         self.t0 = clock()
         self._free: dict[str, list[int]] = defaultdict(list)  # prefix -> free slot lanes (a heap)
         self._slots: dict[str, int] = defaultdict(int)  # prefix -> slot lanes made so far
@@ -79,6 +85,7 @@ class Timeline:
     def add(self, lane: str, name: str, start: float, end: float, args: Mapping[str, Any] | None = None) -> None:
         if end > start:
             self.spans.append(Span(lane, name, start, end, args))
+            self._reach.append(end if not self._reach or end > self._reach[-1] else self._reach[-1])
 
     @contextlib.contextmanager
     def span(self, lane: str, name: str) -> Iterator[None]:
@@ -122,7 +129,9 @@ class Timeline:
     def busy(self, start: float, end: float) -> dict[str, float]:
         """Busy seconds per lane inside ``[start, end)`` (overlapping spans merged; waiting spans not counted)."""
         per: dict[str, list[tuple[float, float]]] = defaultdict(list)
-        for s in self.spans:
+        if self._reach_of is not self.spans or len(self._reach) != len(self.spans):  # a list set wholesale
+            self._reach, self._reach_of = list(itertools.accumulate((s.end for s in self.spans), max)), self.spans
+        for s in self.spans[bisect.bisect_right(self._reach, start):]:
             if s.name in WAIT_SPANS:
                 continue
             a, b = max(s.start, start), min(s.end, end)
