@@ -225,6 +225,13 @@ def test_store_capacity_below_the_bound_is_refused_before_anything_is_written(tm
     assert not (tmp_path / "run").exists()
 
 
+def test_inline_reward_forced_where_the_environment_owns_the_reward_is_refused(tmp_path):
+    resolved = resolve(load_config(ROOT / "examples" / "agent_guess.yaml", [*FAST, "reward.inline=true"]))
+    msg, _ = _run_expecting(resolved, ConfigError, tmp_path / "run")
+    _one_line(msg)
+    assert "reward.inline: true, but the episodes write the reward" in msg and "null (auto) or false" in msg
+
+
 # -- the CLI: exit code 2, one line on stderr, never a traceback ---------------------------------------
 
 CLI_CASES: dict[str, tuple[list[str], str]] = {

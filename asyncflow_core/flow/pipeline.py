@@ -183,6 +183,10 @@ class PipelinePlan:
                 raise ConfigError("pipeline.replace.reward: the episodes write the reward (an environment that owns "
                                   "it, or a captured agent's), so no reward stage runs; remove pipeline.replace.reward "
                                   "or use an environment that leaves the reward to a reward plugin")
+            if cfg.reward.inline:
+                raise ConfigError("reward.inline: true, but the episodes write the reward (an environment that owns "
+                                  "it, or a captured agent's), so nothing is scored inline; set reward.inline to null "
+                                  "(auto) or false")
             reward_stage = None
         else:
             reward_stage = self.reward_stage or RewardStage(
