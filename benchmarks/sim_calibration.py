@@ -1,16 +1,17 @@
 """How well a calibrated simulation predicts real runs: the arithmetic example on this CPU, several placements.
 
-Usage: python benchmarks/sim_calibration.py [--steps 60] [--steps-10m 30] [--runs-dir runs/calibration] [--reuse]
+Usage: python benchmarks/sim_calibration.py [--steps 60] [--steps-10m 30] [--runs-dir runs/calibration ...] [--reuse]
                                             [--json] [--configs sync,sync_b16,...,sync_10m,one_step_10m]
                                             [--calibrate-from sync,sync_b16,one_step,sync_10m,sync_10m_b16,one_step_10m]
 
 1. Runs ``examples/arithmetic_grpo.yaml`` for real (``asyncflow run``, ``--steps`` steps, no checkpoints)
-   under each configuration (``--reuse`` keeps run directories that already finished). The ``*_10m``
+   under each configuration (``--reuse`` keeps run directories that already finished), once per ``--runs-dir``
+   (repeat it for repeated runs: the real figure is then the median run's, with the spread). The ``*_10m``
    configurations are the same task on a larger model shape (~9.8M parameters: hidden 256, 10 layers),
    ``--steps-10m`` steps each.
 2. Fits the sim latency model per model shape from that shape's ``--calibrate-from`` runs (``asyncflow sim
-   --calibrate``): the sync runs at two batch sizes give the engines' costs alone, the one_step run how much
-   the engines slow each other down on this machine (the shared host model).
+   --calibrate``), each from its median run: the sync runs at two batch sizes give the engines' costs alone,
+   the one_step run how much the engines slow each other down on this machine (the shared host model).
 3. Simulates every configuration with its shape's model, and with the same model without the host
    (independent engines), and compares, over the steps after a warm-up of k + 1: steady samples/s, and each
    lane's busy fraction (rollout replicas, trainer).
@@ -65,7 +66,8 @@ def shape(name: str) -> str:
 
 
 def steady(run_dir: Path, k: int) -> dict[str, Any]:
-    """Samples/s and busy fraction per lane over the steps after the first k + 1 (from the run's files)."""
+    """Samples/s, busy fraction per lane and the trainer's wait for its batch (seconds per step) over the steps after
+    the first k + 1 (from the run's files)."""
     metrics = [m for m in load_metrics(run_dir / "metrics.jsonl") if "step" in m]
     warm = k + 1
     if len(metrics) <= warm:
@@ -76,7 +78,9 @@ def steady(run_dir: Path, k: int) -> dict[str, Any]:
     timeline.t0 = 0.0
     timeline.spans = [Span(s.lane, s.name, s.start, s.end) for s in load_spans(run_dir)]
     util = timeline.utilisation(start, end)
-    return {"samples_per_s": samples / (end - start),
+    waits = sum(min(s.end, end) - s.start for s in timeline.spans
+                if s.lane == "train" and s.name == "wait_batch" and start <= s.start < end)
+    return {"samples_per_s": samples / (end - start), "batch_wait_s": waits / (len(metrics) - warm),
             "utilisation": {lane: round(v, 4) for lane, v in sorted(util.items())
                             if lane.startswith("rollout/") or lane == "train"}}
 
@@ -99,13 +103,14 @@ def real_run(name: str, steps: int, runs_dir: Path, reuse: bool, tree: Path | No
     return out
 
 
-def simulated(name: str, steps: int, cal: Calibration) -> dict[str, Any]:
-    """The steady figures of ``name``'s config simulated with ``cal`` (what ``asyncflow sim --calibrate`` runs)."""
+def simulated(name: str, steps: int, cal: Calibration, example: Path = EXAMPLE) -> dict[str, Any]:
+    """The steady figures of ``name``'s config simulated with ``cal`` (what ``asyncflow sim --calibrate`` runs);
+    ``example``: the example file the real runs used (``--real-tree``'s), so the twin is of what ran."""
     overrides, k = CONFIGS[name]
     ovs = [*overrides, *COMMON, f"trainer.total_steps={steps}"]
-    ovs += [*simulated_twin(apply_overrides(read_yaml(EXAMPLE), list(ovs)), cal), "rollout.options.payload=lengths"]
+    ovs += [*simulated_twin(apply_overrides(read_yaml(example), list(ovs)), cal), "rollout.options.payload=lengths"]
     with tempfile.TemporaryDirectory() as tmp:
-        run_flow(resolve(load_config(EXAMPLE, ovs)), virtual=True, run_dir=Path(tmp), write_png=False)
+        run_flow(resolve(load_config(example, ovs)), virtual=True, run_dir=Path(tmp), write_png=False)
         return steady(Path(tmp), k)
 
 
@@ -116,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--calibrate-from", default="sync,sync_b16,one_step,sync_10m,sync_10m_b16,one_step_10m",
                    help="the runs each model shape is fitted from (drop one_step for independent engines)")
-    p.add_argument("--runs-dir", type=Path, default=REPO / "runs" / "calibration")
+    p.add_argument("--runs-dir", type=Path, action="append",
+                   help="where the real runs go (repeatable: one run of each configuration per directory; default "
+                   "runs/calibration)")
     p.add_argument("--reuse", action="store_true", help="keep real runs whose directory already holds a summary")
     p.add_argument("--real-only", action="store_true", help="make the real runs, fit and predict nothing")
     p.add_argument("--real-tree", type=Path, help="run the real runs from this source tree (git archive HEAD | "
@@ -137,39 +144,51 @@ def main(argv: list[str] | None = None) -> int:
     def steps(n: str) -> int:
         return a.steps_10m if shape(n) == "10m" else a.steps
 
-    dirs = {n: real_run(n, steps(n), a.runs_dir, a.reuse, a.real_tree) for n in dict.fromkeys(base + names)}
+    runs_dirs = a.runs_dir or [REPO / "runs" / "calibration"]
+    repeats = {n: [real_run(n, steps(n), d, a.reuse, a.real_tree) for d in runs_dirs]
+               for n in dict.fromkeys(base + names)}
     if a.real_only:
         return 0
+    figures = {n: [steady(d, CONFIGS[n][1]) for d in ds] for n, ds in repeats.items()}
+    median = {n: sorted(range(len(f)), key=lambda i: f[i]["samples_per_s"])[(len(f) - 1) // 2]
+              for n, f in figures.items()}  # the median run (the lower middle one of an even count)
+    dirs = {n: repeats[n][median[n]] for n in repeats}
     cals = {s: fit_runs([dirs[b] for b in base if shape(b) == s]) for s in shapes}
+    example = (a.real_tree or REPO) / EXAMPLE.relative_to(REPO)  # the twin of what ran (the tree's example)
     alone = {s: Calibration(**{**vars(c), "host": {}}) for s, c in cals.items()}
     rows = []
     for n in names:
         k = CONFIGS[n][1]
-        real = steady(dirs[n], k)
-        sim = simulated(n, steps(n), cals[shape(n)])
-        ind = simulated(n, steps(n), alone[shape(n)]) if cals[shape(n)].host else sim
+        real = figures[n][median[n]]
+        rates = [f["samples_per_s"] for f in figures[n]]
+        sim = simulated(n, steps(n), cals[shape(n)], example)
+        ind = simulated(n, steps(n), alone[shape(n)], example) if cals[shape(n)].host else sim
         lanes = sorted(set(real["utilisation"]) | set(sim["utilisation"]))
         rows.append({
-            "config": n, "k": k, "calibration_run": n in base,
+            "config": n, "k": k, "calibration_run": n in base, "run_dir": str(dirs[n]),
             "real_samples_per_s": real["samples_per_s"], "sim_samples_per_s": sim["samples_per_s"],
+            "real_runs_samples_per_s": rates, "real_spread": (max(rates) - min(rates)) / real["samples_per_s"],
             "error": sim["samples_per_s"] / real["samples_per_s"] - 1,
             "independent_samples_per_s": ind["samples_per_s"],
             "independent_error": ind["samples_per_s"] / real["samples_per_s"] - 1,
             "utilisation": {lane: {"real": real["utilisation"].get(lane, 0.0), "sim": sim["utilisation"].get(lane, 0.0)}
                             for lane in lanes},
+            "batch_wait_s": {"real": real["batch_wait_s"], "sim": sim["batch_wait_s"]},
         })
     out = {"steps": a.steps, "steps_10m": a.steps_10m, "calibrated_from": base,
            "fit": {s: c.dump() for s, c in cals.items()}, "results": rows}
     if a.json:
         print(json.dumps(out))
         return 0
-    print("| config | k | real samples/s | sim samples/s | error | no host: error | busy real -> sim |")
-    print("|---|---|---|---|---|---|---|")
+    print("| config | k | real samples/s (spread) | sim samples/s | error | no host: error | busy real -> sim | "
+          "train waits for its batch, ms a step |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         util = ", ".join(f"{lane} {u['real']:.2f} -> {u['sim']:.2f}" for lane, u in r["utilisation"].items())
         tag = " (fit)" if r["calibration_run"] else ""
-        print(f"| {r['config']}{tag} | {r['k']} | {r['real_samples_per_s']:.1f} | {r['sim_samples_per_s']:.1f} | "
-              f"{r['error']:+.1%} | {r['independent_error']:+.1%} | {util} |")
+        print(f"| {r['config']}{tag} | {r['k']} | {r['real_samples_per_s']:.1f} ({r['real_spread']:.0%}) | "
+              f"{r['sim_samples_per_s']:.1f} | {r['error']:+.1%} | {r['independent_error']:+.1%} | {util} | "
+              f"{r['batch_wait_s']['real'] * 1e3:.1f} -> {r['batch_wait_s']['sim'] * 1e3:.1f} |")
     for s, c in cals.items():
         print(f"host ({s}): {c.host or 'not fitted'}; fit rates {c.fit.get('host')}")
         for note in c.notes:
