@@ -128,7 +128,9 @@ def _consume(store: RayStore) -> tuple[list[int], list[list[int]], float]:
         meta = await store.get_meta("train", ["ids", "lp"], 3, timeout=30, consumer="ray-task")
         batch = await store.get(meta)
         await store.ack(meta)
-        return meta.row_ids.tolist(), batch["ids"].to_list(), float(batch["lp"].values.sum())
+        out = meta.row_ids.tolist(), batch["ids"].to_list(), float(batch["lp"].values.sum())
+        await store.close()  # a joined handle's close waits for its acks (sent without waiting for their reply)
+        return out
 
     return asyncio.run(go())
 
@@ -199,6 +201,44 @@ def test_expired_lease_returns_on_the_actors_clock():
             await store.ack(first)
         await store.ack(again)
         await store.close()
+
+    run(go())
+
+
+def test_ack_not_awaited_is_ordered_and_its_error_comes_with_the_next_call():
+    """An ack of a lease this handle holds is sent without waiting: the handle's later calls see it applied; when
+    it fails after all (another handle declared the consumer dead meanwhile), the next call raises its LeaseError
+    and does nothing, and so does close; acks the handle cannot vouch for (a second one, near the deadline) wait."""
+
+    async def go():
+        store = _make(capacity=8)
+        await store.register_task("gen", produces=["x"])
+        await store.register_task("train", consumes=["x"])
+        await store.put({"x": torch.arange(4.0)})
+        meta = await store.get_meta("train", ["x"], 2, timeout=10, consumer="w0")
+        await store.ack(meta)
+        assert store._acks_sent == 1  # noqa: SLF001  (not awaited)
+        stats = await store.stats()  # ordered after the ack
+        assert stats["rows_live"] == 2 and stats["rows_done"] == 2
+        with pytest.raises(LeaseError):
+            await store.ack(meta)  # a second ack: this handle knows it ended, so it waits and raises at once
+        assert store._acks_sent == 1  # noqa: SLF001
+
+        other = RayStore._from_handle(store._controller, None, None)  # noqa: SLF001  (a second handle)
+        late = await store.get_meta("train", ["x"], 1, timeout=10, consumer="w1")
+        assert await other.declare_dead("w1") == 1
+        await store.ack(late)  # the handle cannot know: sent without waiting, fails at the controller
+        with pytest.raises(LeaseError, match="earlier ack on this store handle failed"):
+            await store.put({"x": torch.tensor([9.0])})
+        assert (await store.stats())["rows_live"] == 2  # that put did nothing; the error was raised once
+
+        again = await store.get_meta("train", ["x"], 1, timeout=10, consumer="w2")
+        await other.declare_dead("w2")
+        await store.ack(again)
+        with pytest.raises(LeaseError, match="earlier ack on this store handle failed"):
+            await store.close()  # the last word of a handle reports it too; the store is closed all the same
+        with pytest.raises(StoreClosedError):
+            await other.stats()
 
     run(go())
 
@@ -300,6 +340,52 @@ def test_arena_batch_keeps_its_values_while_the_producer_recycles_ranges():
         assert (await store.stats())["bytes_stored"] == 0
         await store.close()
         assert not os.path.exists(arena_dir)
+
+    run(go())
+
+
+def test_get_reads_where_get_meta_found_the_rows_unless_a_value_changed_since():
+    """get_meta answers with the rows' locations; a get on the controller's node reads them without asking again,
+    unless a value was replaced or freed meanwhile (the controller's epoch in shared memory moved): then it
+    locates again and reads the new value. A meta dropped unread releases its range for recycling."""
+
+    async def go():
+        store = RayStore(capacity=64)
+        await store.register_task("gen", produces=["x"])
+        await store.register_task("train", consumes=["x"])
+        calls = []
+        ctl = store._ctl  # noqa: SLF001
+
+        async def counting(method, *args):
+            calls.append(method)
+            return await ctl(method, *args)
+
+        store._ctl = counting  # noqa: SLF001
+        for value in (1.0, 2.0):
+            await store.put({"x": torch.full((8, 8192), value)})  # 256 KiB: through the arena
+            meta = await store.get_meta("train", ["x"], 8, timeout=10)
+            calls.clear()
+            assert bool(((await store.get(meta))["x"] == value).all())
+            assert "locate" not in calls  # read where get_meta found it
+            assert bool(((await store.get(meta))["x"] == value).all()) and calls == ["locate"]  # (taken once)
+            await store.ack(meta)
+
+        await store.put({"x": torch.full((8, 8192), 3.0)})
+        meta = await store.get_meta("train", ["x"], 8, timeout=10)
+        other = RayStore._from_handle(store._controller, None, None)  # noqa: SLF001
+        await other.put({"x": torch.full((8, 8192), 4.0)}, rows=meta)  # the leased rows' value replaced
+        calls.clear()
+        assert bool(((await store.get(meta))["x"] == 4.0).all()) and calls == ["locate"]
+        await store.ack(meta)
+
+        await store.put({"x": torch.full((8, 8192), 5.0)})
+        meta = await store.get_meta("train", ["x"], 8, timeout=10)
+        await store.ack(meta)
+        used = store._arena.files[0][2].used  # noqa: SLF001
+        del meta  # never read: its pin goes with the next call, the range comes back with the put's reply
+        await store.put({"x": torch.full((8, 8192), 6.0)})
+        assert store._arena.files[0][2].used <= used  # noqa: SLF001  (6.0's range replaced 5.0's)
+        await store.close()
 
     run(go())
 

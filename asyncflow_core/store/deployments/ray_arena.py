@@ -44,6 +44,7 @@ store as before.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import re
 import shutil
@@ -246,3 +247,38 @@ def read_range(reader: ArenaReader, desc: dict[str, Any],
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Epoch:
+    """A counter in shared memory: the controller publishes how often a stored value was replaced or freed, so a
+    reader on its node can tell, without asking, whether locations it was given are still current.
+
+    The writer (``create=True``) makes ``<directory>/epoch`` (the store's directory named after the writer's pid,
+    removed by :meth:`remove`, or swept once that process is gone); readers map it read-only."""
+
+    def __init__(self, path: str, create: bool = False) -> None:
+        self.path = path
+        if create:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, 8)
+            finally:
+                os.close(fd)
+        fd = os.open(path, os.O_RDWR if create else os.O_RDONLY)
+        try:
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            self._mmap = mmap.mmap(fd, 8, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+        self._value = np.frombuffer(self._mmap, dtype=np.int64)
+
+    @property
+    def value(self) -> int:
+        return int(self._value[0])
+
+    def set(self, value: int) -> None:
+        self._value[0] = value
+
+    def remove(self) -> None:
+        shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)

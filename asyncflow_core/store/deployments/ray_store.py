@@ -35,7 +35,21 @@ copy), never through pickle:
   values for as long as it is referenced (the object or range stays pinned),
   and must not be written in place (clone first).
 
-A loop of put, get_meta, get and ack is four round trips to the controller.
+A loop of put, get_meta, get and ack is two round trips to the controller on one node:
+
+- get_meta answers with the lease's locations too (pinned, as a get's locate would), and the controller's
+  *epoch*, a count of stored values replaced or freed that it keeps in a shared-memory file on its node. A get
+  on that node reads those locations, without a call, while the file still holds that count; otherwise (a value
+  was rewritten or freed since, the controller is on another node, a second get of the meta) it asks again.
+  A meta dropped unread releases its pins with the handle's next call.
+- an ack of a lease the handle got and still holds (with at least :data:`_ACK_MARGIN_S` left) is sent without
+  waiting for the reply. The controller applies a handle's acks in order and before any later call of that
+  handle; an ack that fails there after all (another handle declared its consumer dead or cleared its rows
+  meanwhile, or it arrived after the deadline) makes the handle's next call to the controller raise its error
+  and do nothing, and ``close`` raises it after closing. Any other ack (a second one, an unknown lease, one
+  near its deadline) waits and raises at once. Another handle sees an ack applied once the acking handle made
+  a later call or closed.
+
 The controller drops its references when a row is collected after its last
 ack, or cleared; Ray frees an object once no row and no reader uses it, and a
 range goes back to its producer once no row and no reader uses it.
@@ -55,7 +69,10 @@ import asyncio
 import collections
 import dataclasses
 import os
+import time
+import uuid
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,6 +106,8 @@ _UNPINS_REMEMBERED = 65536  #: unpins a storage unit remembers, for pins that ar
 _UNPIN_DELAY_S = 0.01  #: how long the controller gathers unpins before it sends them to the units
 _THREAD_PUT_BYTES = 8 << 20  #: larger ray.put copies run off the event loop thread
 _READ_TRIES = 5  #: a get locates rows again when a range was recycled while read (its column rewritten)
+_ACK_MARGIN_S = 1.0  #: an ack is sent without waiting only while its lease has at least this long left
+_LEASES_REMEMBERED = 65536  #: leases a handle remembers (those it got and has not ended), for acks not awaited
 
 # numpy has no bfloat16 / float8: such tensors travel as raw bytes with their torch dtype name
 _NUMPY_DTYPES = {
@@ -315,8 +334,11 @@ class _ObjectIndex:
     row-table bookkeeping is reused. An object is dropped (its reference released) once no row uses it.
     """
 
-    def __init__(self, on_drop: Any = None) -> None:
+    def __init__(self, on_drop: Any = None, on_change: Any = None) -> None:
         self.where = StorageUnit()
+        #: how many times values already indexed were replaced or freed (locations handed out may be stale)
+        self.changes = 0
+        self.on_change = on_change or (lambda changes: None)
         #: id -> [reference, (row, column) values in it, bytes, (unit, key) of the storage unit pinning it or None]
         self.objects: dict[int, list[Any]] = {}
         self.on_drop = on_drop or (lambda obj, unit: None)
@@ -361,6 +383,11 @@ class _ObjectIndex:
             self.on_drop(obj, entry[3])
         self.where = StorageUnit()
         self.objects.clear()
+        self._changed()
+
+    def _changed(self) -> None:
+        self.changes += 1
+        self.on_change(self.changes)
 
     @property
     def nbytes(self) -> int:
@@ -372,6 +399,7 @@ class _ObjectIndex:
         has = self.where.has(row_ids, name)
         if not bool(has.any()):
             return
+        self._changed()
         loc = self.where.read(row_ids[has], [name])[name]
         objs, counts = torch.unique(loc[:, 0], return_counts=True)
         for k, c in zip(objs.tolist(), counts.tolist(), strict=True):
@@ -386,6 +414,48 @@ class _ObjectIndex:
 
 
 # ====================================================================== the actors
+
+
+class _Caller:
+    """A handle's acks not awaited, at the controller: how many were applied, and the errors not yet reported."""
+
+    __slots__ = ("done", "errors", "cond")
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.errors: list[BaseException] = []
+        self.cond: asyncio.Condition | None = None
+
+    async def reach(self, seq: int) -> None:
+        if self.done < seq:
+            if self.cond is None:
+                self.cond = asyncio.Condition()
+            async with self.cond:
+                await self.cond.wait_for(lambda: self.done >= seq)
+
+    async def applied(self, seq: int) -> None:
+        self.done = max(self.done, seq)
+        if self.cond is not None:
+            async with self.cond:
+                self.cond.notify_all()
+
+
+def _ordered(method: Any) -> Any:
+    """A controller method that a handle's earlier acks (sent without waiting) come before: ``_after=(caller,
+    seq)`` waits until that caller's acks up to ``seq`` are applied, and raises the first error one of them met
+    (each such error is raised once, by the caller's next call, which then does nothing). ``_unpins``: arena
+    ranges the caller's readers are done with, carried by the call (see :meth:`_ControllerActor.unpin_ranges`)."""
+
+    async def call(self: Any, *args: Any, _after: tuple[str, int] | None = None,
+                   _unpins: list[tuple[str, int]] = (), **kwargs: Any) -> Any:
+        if _unpins:
+            await self.unpin_ranges(_unpins)
+        if _after is not None:
+            await self._after_acks(*_after)
+        return await method(self, *args, **kwargs)
+
+    call.__name__, call.__qualname__, call.__doc__ = method.__name__, method.__qualname__, method.__doc__
+    return call
 
 
 class _StorageUnitActor:
@@ -457,12 +527,15 @@ class _ControllerActor:
         self.units = units
         self.token_columns = tuple(token_columns)
         self.schema: dict[str, tuple[bool, str, tuple[int, ...]]] = {}  # name -> (ragged, dtype, trailing)
-        self.data = _ObjectIndex(on_drop=self._unpin)
+        self.data = _ObjectIndex(on_drop=self._unpin, on_change=self._publish)
+        self._epoch: ray_arena.Epoch | None = None  # self.data.changes in shared memory (see get_meta)
+        self._epoch_tried = False
         self._unpins: dict[int, list[str]] = {}  # unit -> keys to unpin, sent after the call that freed them
         #: producer arena id -> its ranges no row uses any more, returned with that producer's next put
         self._freed: dict[str, list[tuple[int, int, int]]] = {}
         self._range_pins: collections.Counter[tuple[str, int]] = collections.Counter()  # (arena, seq) -> readers
         self._range_dropped: dict[tuple[str, int], dict[str, Any]] = {}  # no row uses them; pinned by readers
+        self._callers: dict[str, _Caller] = {}  # handle -> its acks sent without waiting (ack_after)
 
     def _unpin(self, obj: int, pin: Any) -> None:
         if isinstance(pin, dict):  # an arena range: back to its producer with its next put reply, once unpinned
@@ -487,6 +560,54 @@ class _ControllerActor:
 
     async def info(self) -> dict[str, Any]:
         return {"units": self.units, "token_columns": self.token_columns}
+
+    def _publish(self, changes: int) -> None:
+        if self._epoch is not None:
+            self._epoch.set(changes)
+
+    def _epoch_file(self) -> ray_arena.Epoch | None:
+        """The shared-memory copy of ``data.changes`` on this node, made at the first get_meta that asks (None
+        where it cannot be made: no /dev/shm)."""
+        if self._epoch is None and not self._epoch_tried:
+            self._epoch_tried = True
+            ctx = ray.get_runtime_context()
+            path = os.path.join(ray_arena.store_dir(ctx.get_actor_id(), os.getpid()), "epoch")
+            try:
+                self._epoch = ray_arena.Epoch(path, create=True)
+                self._epoch.set(self.data.changes)
+            except OSError:
+                self._epoch = None
+            else:
+                self._epoch_at = (path, ctx.get_node_id())
+        return self._epoch
+
+    async def _after_acks(self, caller: str, seq: int) -> None:
+        state = self._callers.setdefault(caller, _Caller())
+        await state.reach(seq)
+        if state.errors:
+            exc = state.errors.pop(0)
+            try:
+                again = type(exc)(f"an earlier ack on this store handle failed: {exc}")
+            except Exception:  # noqa: BLE001  (an error type that takes other arguments: as it was)
+                again = exc
+            raise again from None
+
+    async def ack_after(self, meta: dict[str, Any], caller: str, seq: int, unpins: list[tuple[str, int]] = ()) -> None:
+        """An ack its handle does not wait for (its ``seq``-th): applied after the handle's earlier ones and before
+        its later calls (:func:`_ordered`); an error is kept for the handle's next call, never raised here."""
+        await self.unpin_ranges(unpins)
+        state = self._callers.setdefault(caller, _Caller())
+        await state.reach(seq - 1)
+        try:
+            self.core.ack(_meta_in(meta))
+        except Exception as exc:  # noqa: BLE001  (reported by the caller's next call)
+            state.errors.append(exc)
+        await state.applied(seq)
+
+    @_ordered
+    async def settle(self, caller: str) -> None:
+        """Nothing, once the caller's acks are applied (their error, if any, raised); the caller is forgotten."""
+        self._callers.pop(caller, None)
 
     def _pin_ranges(self, refs: Any) -> list[tuple[str, int]]:
         keys = [(d["arena"], d["seq"]) for d in refs if isinstance(d, dict)]
@@ -520,6 +641,7 @@ class _ControllerActor:
 
     # -- put / get ---------------------------------------------------------------
 
+    @_ordered
     async def put(
         self, schema: dict[str, Any], n: int, row_ids: torch.Tensor | None, partition: str, group_ids: Any,
         block: bool, timeout: float | None, payload: tuple[Any, ...], nbytes: int, versions: Any,
@@ -564,6 +686,7 @@ class _ControllerActor:
             return _np(ids), self._freed.pop(payload[1]["arena"], [])
         return _np(ids)
 
+    @_ordered
     async def locate(self, row_ids: np.ndarray, columns: list[str],
                      unpins: list[tuple[str, int]] = ()) -> dict[str, Any]:
         """Where ``columns`` of ``row_ids`` lie: per column its schema and ``[n, 2]`` locations, and the objects
@@ -576,6 +699,9 @@ class _ControllerActor:
                 from asyncflow_core.store.errors import UnknownColumnError
 
                 raise UnknownColumnError(f"column {name!r} was never written; written columns: {sorted(self.schema)}")
+        return self._locate(row_ids, columns)
+
+    def _locate(self, row_ids: torch.Tensor, columns: list[str]) -> dict[str, Any]:
         located, refs = self.data.locate(row_ids, columns)
         self._pin_ranges(ref for ref, _ in refs.values())  # the reader unpins them when its batch is gone
         # nested in lists: the references travel, not the values
@@ -585,43 +711,67 @@ class _ControllerActor:
 
     # -- control calls (StoreCore) -----------------------------------------------
 
+    @_ordered
     async def register_task(self, task: str, consumes: list[str], produces: list[str],
                             partition: str | None = None) -> None:
         self.core.register_task(task, consumes, produces, partition)
 
-    async def get_meta(self, task: str, columns: list[str], batch_size: int, kw: dict[str, Any]) -> dict[str, Any]:
-        return _meta_out(await self.core.get_meta(task, columns, batch_size, **kw))
+    @_ordered
+    async def get_meta(self, task: str, columns: list[str], batch_size: int, kw: dict[str, Any],
+                       locate: bool = False) -> dict[str, Any]:
+        """The lease, with this actor's clock reading ``now`` (the handle times acks against the deadline). With
+        ``locate``, also where its rows' columns lie (pinned, as :meth:`locate` answers) and the epoch they are
+        current at: ``(shared-memory file, node, data.changes)``; a get on that node reads them if the file still
+        holds that value (no value was replaced or freed since), else locates the rows again."""
+        meta = await self.core.get_meta(task, columns, batch_size, **kw)
+        out = {"meta": _meta_out(meta), "now": time.monotonic()}
+        # (no await from the lease to here: the locations are those of the leased rows' values now)
+        if locate and len(meta) and all(c in self.schema for c in columns) and self._epoch_file() is not None:
+            out["located"] = self._locate(meta.row_ids, list(columns))
+            out["epoch"] = (*self._epoch_at, self.data.changes)
+        return out
 
+    @_ordered
     async def ack(self, meta: dict[str, Any]) -> None:
         self.core.ack(_meta_in(meta))
 
+    @_ordered
     async def release(self, meta: dict[str, Any]) -> None:
         self.core.release(_meta_in(meta))
 
+    @_ordered
     async def renew(self, meta: dict[str, Any], lease_s: float | None) -> float | None:
         return self.core.renew(_meta_in(meta), lease_s)
 
+    @_ordered
     async def declare_dead(self, consumer: str) -> int:
         return self.core.declare_dead(consumer)
 
+    @_ordered
     async def end_stream(self, partition: str | None) -> None:
         self.core.end_stream(partition)
 
+    @_ordered
     async def clear(self, partition: str | None) -> int:
         return self.core.clear(partition)
 
+    @_ordered
     async def stats(self) -> dict[str, int]:
         self.core.check_open()
         out = self.core.controller.stats()
         out["bytes_stored"] = self.data.nbytes
         return out
 
+    @_ordered
     async def close(self) -> None:
         self.core.close()
         self.data.clear()
+        if self._epoch is not None:
+            self._epoch.remove()
 
     # -- checkpoint ----------------------------------------------------------------
 
+    @_ordered
     async def state_dict(self) -> dict[str, Any]:
         self.core.check_open()
         ctl = _without_unwritten_rows(self.core.controller.state_dict())
@@ -654,6 +804,7 @@ class _ControllerActor:
             cols[name] = {"ragged": ragged, "dtype": dtype, "trailing": tuple(trailing), "row_ids": ids, "data": data}
         return cols
 
+    @_ordered
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         self.core.check_open()
         if not isinstance(state, dict) or state.get("format") != 1 or not {"controller", "storage"} <= set(state):
@@ -722,6 +873,12 @@ _RemoteUnit = ray.remote(_StorageUnitActor)
 
 
 # ====================================================================== the client
+
+
+def _drop_located(located: dict[int, Any], key: int, unpins: Any, pins: list[tuple[str, int]]) -> None:
+    """A meta whose locations no get read is gone: forget them and release their pins."""
+    located.pop(key, None)
+    unpins.extend(pins)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -824,6 +981,17 @@ class RayStore(StreamStore):
         self._unpins: collections.deque[tuple[str, int]] = collections.deque()
         self._units: list[Any] = list(info["units"])
         self._turn = 0  # the storage unit that pins this handle's next put
+        #: acks this handle sends without waiting (see :meth:`ack`): its name at the controller, how many it sent,
+        #: and the leases it got and has not ended, each with a time (this process's monotonic clock) before which
+        #: the lease is surely live
+        self._caller = uuid.uuid4().hex
+        self._acks_sent = 0
+        self._held: dict[int, float] = {}
+        #: where a lease's rows lay when get_meta answered (see :meth:`get`): id(meta) -> (weak reference to the
+        #: meta, the locate answer, the epoch it is current at, the finalizer that unpins it if no get reads it)
+        self._located: dict[int, tuple[Any, dict[str, Any], int, Any]] = {}
+        self._epoch: ray_arena.Epoch | None = None  # the controller's epoch file, when it is on this node
+        self._prelocate = True  # ask get_meta for the locations (off once the controller is found elsewhere)
         self.token_columns: tuple[str, ...] = tuple(info["token_columns"])
 
     @property
@@ -847,12 +1015,19 @@ class RayStore(StreamStore):
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
             raise _unwrap(exc) from None
 
+    def _after(self) -> dict[str, Any]:
+        """The keyword that orders a controller call after this handle's acks sent without waiting."""
+        return {"_after": (self._caller, self._acks_sent)} if self._acks_sent else {}
+
     async def _ctl(self, method: str, *args: Any) -> Any:
         self._check_open()
         if method in ("put", "locate"):  # they carry this handle's unpins (no call of their own)
-            return await self._await(getattr(self._controller, method).remote(*args, self._take_unpins()))
-        self._send_unpins()
-        return await self._await(getattr(self._controller, method).remote(*args))
+            return await self._await(getattr(self._controller, method).remote(*args, self._take_unpins(),
+                                                                              **self._after()))
+        kw = self._after()
+        if self._unpins:  # carried by the call (no call of their own)
+            kw["_unpins"] = self._take_unpins()
+        return await self._await(getattr(self._controller, method).remote(*args, **kw))
 
     def _take_unpins(self) -> list[tuple[str, int]]:
         keys = []
@@ -945,7 +1120,7 @@ class RayStore(StreamStore):
         self._turn += 1
         self._check_open()
         pinned = self._units[unit].pin.remote(ref.hex(), ref)
-        put = self._controller.put.remote(*args, ("ref", [ref], unit), nbytes, _np(v), _np(tokens))
+        put = self._controller.put.remote(*args, ("ref", [ref], unit), nbytes, _np(v), _np(tokens), **self._after())
         try:
             ids = await self._await(put)
         except Exception:  # (not a cancellation: the controller call may still complete then)
@@ -959,8 +1134,10 @@ class RayStore(StreamStore):
         self._check_open()
         names = list(meta.columns if columns is None else columns)
         ids = torch.as_tensor(meta.row_ids, dtype=torch.int64).reshape(-1)
+        located = self._take_located(meta, names)  # where get_meta found the rows, when still current
         for _ in range(_READ_TRIES):
-            reply = await self._ctl("locate", _np(ids), names)
+            reply = located if located is not None else await self._ctl("locate", _np(ids), names)
+            located = None
             keys = list(reply["objects"])
             try:
                 values = await asyncio.gather(*(self._read(reply["objects"][k], reply["pins"][k], names)
@@ -1040,30 +1217,101 @@ class RayStore(StreamStore):
             raise InvalidRequestError(f"columns must be a sequence of names, got the string {columns!r}")
         kw = dict(sampler=sampler, min_version=min_version, partition=partition, partial=partial, timeout=timeout,
                   lease_s=lease_s, consumer=consumer, dp_rank=dp_rank, dp_size=dp_size)
-        return _meta_in(await self._ctl("get_meta", task, list(columns), batch_size, kw))
+        sent = time.monotonic()
+        reply = await self._ctl("get_meta", task, list(columns), batch_size, kw, self._prelocate)
+        meta = _meta_in(reply["meta"])
+        if meta.lease_id is not None and meta.deadline is not None:
+            # the actor granted it after ``sent``: live at least until sent + what was left of it then
+            self._hold(int(meta.lease_id), sent + (meta.deadline - reply["now"]))
+        if "located" in reply:
+            self._keep_located(meta, reply["located"], *reply["epoch"])
+        return meta
+
+    def _keep_located(self, meta: BatchMeta, located: dict[str, Any], path: str, node: str, epoch: int) -> None:
+        pins = [(o["arena"], o["seq"]) for o in located["objects"].values() if isinstance(o, dict)]
+        if self._epoch is None and node == self._node:
+            try:
+                self._epoch = ray_arena.Epoch(path)
+            except OSError:
+                pass
+        if self._epoch is None or self._epoch.path != path:  # the controller is elsewhere: ask it at each get
+            self._prelocate = False
+            self._unpins.extend(pins)
+            return
+        key = id(meta)
+        done = weakref.finalize(meta, _drop_located, self._located, key, self._unpins, pins)
+        self._located[key] = (weakref.ref(meta), located, epoch, done)
+
+    def _take_located(self, meta: BatchMeta, names: list[str]) -> dict[str, Any] | None:
+        """What get_meta answered for ``meta``, if nothing was replaced or freed since (the epoch says) and it
+        covers ``names``; else None, its pins released. Taken once: a second get of the meta locates again."""
+        entry = self._located.pop(id(meta), None)
+        if entry is None or entry[0]() is not meta:
+            return None
+        ref, located, epoch, done = entry
+        done.detach()
+        if self._epoch is not None and self._epoch.value == epoch and all(k in located["loc"] for k in names):
+            return located
+        self._unpins.extend((o["arena"], o["seq"]) for o in located["objects"].values() if isinstance(o, dict))
+        return None
+
+    def _hold(self, lease_id: int, live_until: float) -> None:
+        held = self._held
+        if len(held) >= _LEASES_REMEMBERED:  # leases never ended here: forget the expired, then the oldest
+            now = time.monotonic()
+            for lid in [lid for lid, until in held.items() if until <= now]:
+                del held[lid]
+            while len(held) >= _LEASES_REMEMBERED:
+                del held[next(iter(held))]
+        held[lease_id] = live_until
 
     async def ack(self, meta: BatchMeta) -> None:
-        await self._ctl("ack", _meta_out(meta))
+        """Acknowledge a lease. One this handle got from ``get_meta``, has not ended, and holds for at least
+        :data:`_ACK_MARGIN_S` more is acknowledged **without waiting** for the controller's reply: the controller
+        applies it before any later call of this handle (its acks in order), and if it fails after all (another
+        handle declared the consumer dead or cleared the rows meanwhile, or it arrived after the deadline), this
+        handle's next call to the controller raises its error instead of doing anything (``close`` raises it after
+        closing; a get that reads where get_meta found the rows makes no call). Any
+        other ack (a second one, someone else's lease, one about to expire) waits and raises at once."""
+        lid = meta.lease_id if isinstance(meta, BatchMeta) else None
+        live_until = self._held.pop(lid, None) if isinstance(lid, int) else None
+        if live_until is None or time.monotonic() >= live_until - _ACK_MARGIN_S:
+            await self._ctl("ack", _meta_out(meta))
+            return
+        self._check_open()
+        self._acks_sent += 1  # (ack_after orders itself after this handle's earlier acks)
+        self._controller.ack_after.remote(_meta_out(meta), self._caller, self._acks_sent, self._take_unpins())
 
     async def release(self, meta: BatchMeta) -> None:
+        self._forget(meta)
         await self._ctl("release", _meta_out(meta))
 
     async def renew(self, meta: BatchMeta, *, lease_s: float | None = None) -> float | None:
-        return await self._ctl("renew", _meta_out(meta), lease_s)
+        deadline = await self._ctl("renew", _meta_out(meta), lease_s)
+        if deadline is None:
+            self._forget(meta)  # (a renewed lease keeps its earlier, shorter, surely-live time)
+        return deadline
+
+    def _forget(self, meta: BatchMeta) -> None:
+        if isinstance(meta, BatchMeta) and isinstance(meta.lease_id, int):
+            self._held.pop(meta.lease_id, None)
 
     async def declare_dead(self, consumer: str) -> int:
+        self._held.clear()  # (which leases were the consumer's is the controller's to know)
         return await self._ctl("declare_dead", consumer)
 
     async def end_stream(self, partition: str | None = None) -> None:
         await self._ctl("end_stream", partition)
 
     async def clear(self, partition: str | None = None) -> int:
+        self._held.clear()
         return await self._ctl("clear", partition)
 
     async def state_dict(self) -> dict[str, Any]:
         return await self._ctl("state_dict")
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._held.clear()
         await self._ctl("load_state_dict", state)
 
     async def stats(self) -> dict[str, int]:
@@ -1073,7 +1321,17 @@ class RayStore(StreamStore):
         """Creating handle: close the store (waiters get ``StoreClosedError``) and kill its actors. Joined: detach."""
         if self._closed:
             return
+        failed: BaseException | None = None
+        if self._acks_sent:  # this handle's acks not awaited are applied (and their errors raised) before it closes
+            try:
+                await self._ctl("settle", self._caller)
+            except StoreClosedError:
+                pass
+            except StoreError as exc:
+                failed = exc
         self._closed = True
+        self._held.clear()
+        self._located.clear()
         owned, self._owned = self._owned, []
         if self._arena is not None:
             self._arena.close()
@@ -1093,6 +1351,8 @@ class RayStore(StreamStore):
                 pass
             for actor in owned:
                 ray.kill(actor, no_restart=True)
+        if failed is not None:
+            raise failed
 
 
 __all__ = ["RayStore", "init_local_ray", "ray_listening_addresses"]
