@@ -7,6 +7,7 @@ The runs here are the real runtime and store on the simulated engines, seeded, o
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -17,6 +18,10 @@ from asyncflow_core.flow import staleness as S
 from asyncflow_core.flow.clock import run_virtual
 from asyncflow_core.flow.engine_pool import EnginePool
 from asyncflow_core.flow.runtime import FlowRuntime
+from asyncflow_core.flow.single_turn import SingleTurn
+from asyncflow_core.store.inprocess import InProcessStore
+from asyncflow_core.types import PromptRecord
+from tests.flow.test_rollout_sends import SilentEngine, _stage
 
 B, N, STEPS = 6, 4, 8
 
@@ -85,3 +90,27 @@ def test_prompts_wait_for_their_steps_weights_and_none_is_generated_twice(replic
     assert len(rt.ctx.ledger.trained) == STEPS * B
     # and sooner on the virtual clock: the work saved is the regenerated prompts'
     assert s_on["step_end_s"][-1] < s_off["step_end_s"][-1]
+
+
+def test_a_held_prompt_leaves_its_replica_to_an_older_prompt_and_goes_to_a_replica_with_its_weights():
+    """The dispatch itself: a prompt whose floor no free replica has is held, and the replica it passed over still
+    takes the prompts after it that it can serve (in the same dispatch); a replica that has the floor takes it."""
+    async def body() -> None:
+        stage, ctx = _stage(SilentEngine(), InProcessStore(capacity=8))
+        ctx.tail, ctx.version = S.TailPolicy(step_weights=True), 1  # k = 1: every eligible replica has version 0
+        stage.guard = S.StalenessGuard(ctx)  # (the guard takes the run's tail policy when made)
+        new, old = (ctx.ledger.admit(i, PromptRecord(i, f"q{i}")) for i in range(2))
+        new.start_floor = 1  # admitted for step 2: needs the weights of version 1
+        first, second = SingleTurn(0, None, (7,), new.group_id), SingleTurn(1, None, (7,), old.group_id)
+        stage._pending = [first, second]
+        r = stage.replicas[0]
+        stage._dispatch()  # the replica is on version 0: the first waits, the second (floor 0) goes
+        assert list(r.inflight) == [second.request_id] and stage._pending == [first]
+        r.engine.version = 1  # it loaded version 1
+        stage._dispatch()
+        assert list(r.inflight) == [second.request_id, first.request_id] and stage._pending == []
+        await asyncio.sleep(0)
+        for t in list(stage._tasks):
+            t.cancel()
+
+    asyncio.run(body())
