@@ -157,7 +157,13 @@ class StreamStore(abc.ABC):
 
     @abc.abstractmethod
     async def ack(self, meta: BatchMeta) -> None:
-        """Mark a lease's rows done for its task. A second ack, or an ack after the lease expired, raises ``LeaseError``."""
+        """Mark a lease's rows done for its task. A second ack, or an ack after the lease expired, raises ``LeaseError``.
+
+        A deployment may send an ack without waiting for its reply when the handle holds the lease and can vouch
+        for it (``ray``: got by this handle, not ended, a second or more left). A failure the handle could not
+        foresee (another handle freed the lease with ``declare_dead`` or ``clear`` meanwhile) is then raised by the
+        handle's next call, which does nothing else, or by ``close``; it is never lost. The handle's own later
+        calls always see the ack applied."""
 
     @abc.abstractmethod
     async def release(self, meta: BatchMeta) -> None:
