@@ -128,13 +128,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def bounded_sweep(a: argparse.Namespace, pick: str, rate: float) -> dict:
     """Simulate the placements that may beat ``pick`` (``rate`` samples/s) by more than ``a.bounded_sweep``."""
-    from asyncflow_core.cli.plan import _Runner, candidates, work_bound_samples_per_s, workload
+    from asyncflow_core.cli.plan import _Runner, candidates, floor_variants, work_bound_samples_per_s, workload
     from asyncflow_core.config import load_config, resolve
     from asyncflow_core.config.loader import read_yaml
 
     t0 = time.perf_counter()
     w = workload(resolve(load_config(a.config, list(a.overrides))))
     every = candidates(a.devices, node_size=8, max_k=a.max_staleness, replicas_per_node=(1, 2, 4, 8))
+    every += floor_variants(every)  # as the plan's (the work bound is the same with the start floor)
     target = (1 + a.bounded_sweep) * rate
     bar = target * (1 - a.margin)
     bound = {c: work_bound_samples_per_s(w, c) for c in every}

@@ -110,7 +110,9 @@ def test_a_whole_plan_ranks_what_it_simulated_and_writes_a_runnable_pick(tmp_pat
     """Two nodes, k <= 1, one replica size: every placement simulated (--full), on one worker process."""
     result = run_plan(EXAMPLE, SMALL, devices=16, max_k=1, replicas_per_node=(8,), measured_steps=2, full=True,
                       workers=1, progress=False)
-    assert result.simulated == result.candidates == 3  # colocated k=0, and 8/8 with k = 0 and 1
+    # colocated k=0, 8/8 with k = 0 and 1, and 8/8 k = 1 with the start floor (async.start_on_step_weights)
+    assert result.simulated == result.candidates == 4
+    assert sorted(r["label"] for r in result.rows if r["candidate"]["start_floor"]) == ["k=1 8r/8t 8x1 floor"]
     rates = [r["samples_per_s"] for r in result.rows]
     assert rates == sorted(rates, reverse=True) and all(x > 0 for x in rates)
     assert result.chosen is result.rows[0]
@@ -121,6 +123,7 @@ def test_a_whole_plan_ranks_what_it_simulated_and_writes_a_runnable_pick(tmp_pat
     overlay = yaml.safe_load(files["overlay"].read_text())
     chosen = Candidate(**result.chosen["candidate"])
     assert overlay["async"]["max_staleness"] == chosen.k and overlay["rollout"]["replicas"] == chosen.replicas
+    assert overlay["async"]["start_on_step_weights"] is chosen.start_floor
     # the written config is the example with the pick applied: it validates as it is
     cfg = load_config(files["chosen"])
     assert cfg.async_.k == chosen.k and cfg.rollout.replicas == chosen.replicas
@@ -133,7 +136,11 @@ def test_the_screened_search_measures_its_finalists_over_every_step():
     result = run_plan(EXAMPLE, SMALL, devices=24, max_k=1, replicas_per_node=(8,), measured_steps=2, shortlist=2,
                       finalists=1, workers=1, progress=False)
     assert result.chosen["measured_steps"] == 2 and result.chosen["rank"] == 1
-    assert [r["measured_steps"] for r in result.rows[1:]] == [1] * (len(result.rows) - 1)
+    # the finalist and, at k >= 1, the same placement with the start floor (--start-floor)
+    final = [r for r in result.rows if r["measured_steps"] == 2]
+    assert result.rows[:len(final)] == final and 1 <= len(final) <= 2
+    assert len({(r["candidate"]["k"], r["candidate"]["trainer_devices"]) for r in final}) == 1
+    assert [r["measured_steps"] for r in result.rows[len(final):]] == [1] * (len(result.rows) - len(final))
     for r in result.rows:
         assert r["violations"] == 0
 
@@ -194,13 +201,32 @@ def test_a_simulation_cut_off_below_its_floor_holds_a_bound_between_its_rate_and
     assert cut["sim_seconds"] < plain["sim_seconds"]
 
 
+def _made_up_search(monkeypatch, rate, every, estimate, space, *, shortlist=8, **kw):
+    """``_search`` over made-up rates (``rate(c, steps)``), with and without cut-offs, on two worker threads:
+    ``{cutoff: rows}``. A simulation cut off reports a bound in (rate, floor), as :func:`simulate` does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncflow_core.cli import plan as P
+
+    def fake(raw, overrides, c, steps, floor=None):
+        r = rate(c, steps)
+        if floor is not None and r < floor:
+            return {"samples_per_s": (r + floor) / 2, "cut_off": True, "measured_steps": steps}
+        return {"samples_per_s": r, "cut_off": False, "measured_steps": steps}
+
+    monkeypatch.setattr(P, "simulate", fake)
+    runs = {}
+    for cutoff in (False, True):
+        with ThreadPoolExecutor(2) as pool, P._Runner({}, [], 2, False, pool=pool) as runner:
+            runs[cutoff] = P._search(runner, every, estimate, space, shortlist=shortlist, finalists=3,
+                                     measured_steps=3, cutoff=cutoff, **kw)
+    return runs
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_cut_offs_change_no_finalist_and_no_pick(monkeypatch, seed):
     """The screened search over made-up rates, with and without cut-offs (two worker threads, so any order)."""
     import random
-    from concurrent.futures import ThreadPoolExecutor
-
-    from asyncflow_core.cli import plan as P
 
     space = {"devices": 64, "node_size": 8, "max_k": 4, "replicas_per_node": (1, 2, 4, 8)}
     every = candidates(**space)
@@ -209,18 +235,8 @@ def test_cut_offs_change_no_finalist_and_no_pick(monkeypatch, seed):
     measured = {c: screen[c] * rng.uniform(0.8, 1.2) for c in every}
     estimate = {c: rng.uniform(1, 10) for c in every}
 
-    def fake(raw, overrides, c, steps, floor=None):
-        rate = screen[c] if steps == 1 else measured[c]
-        if floor is not None and rate < floor:  # what simulate() reports when cut: a bound in (rate, floor)
-            return {"samples_per_s": (rate + floor) / 2, "cut_off": True, "measured_steps": steps}
-        return {"samples_per_s": rate, "cut_off": False, "measured_steps": steps}
-
-    monkeypatch.setattr(P, "simulate", fake)
-    runs = {}
-    for cutoff in (False, True):
-        with ThreadPoolExecutor(2) as pool, P._Runner({}, [], 2, False, pool=pool) as runner:
-            runs[cutoff] = P._search(runner, every, estimate, space, shortlist=8, finalists=3, measured_steps=3,
-                                     cutoff=cutoff)
+    runs = _made_up_search(monkeypatch, lambda c, steps: screen[c] if steps == 1 else measured[c], every, estimate,
+                           space)
     plain, cut = runs[False], runs[True]
     assert list(cut) == list(plain)  # the same placements simulated, in the same order
     final = [c for c, r in plain.items() if r["measured_steps"] == 3]
@@ -237,6 +253,43 @@ def test_cut_offs_change_no_finalist_and_no_pick(monkeypatch, seed):
         else:
             assert measured[c] < r["samples_per_s"] < measured[pick]
     assert sum(r["cut_off"] for r in cut.values()) >= 3  # the floors did cut
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_finalists_with_a_bound_are_measured_again_with_the_start_floor(monkeypatch, seed):
+    """--start-floor: every finalist with k >= 1, and only those, is measured again with
+    async.start_on_step_weights; the pick is the fastest of all, the same with and without cut-offs, and a
+    variant is cut off only when it cannot beat the best finalist (made-up rates, two worker threads)."""
+    import random
+    from dataclasses import replace
+
+    space = {"devices": 64, "node_size": 8, "max_k": 4, "replicas_per_node": (1, 2, 4, 8)}
+    every = candidates(**space)
+    rng = random.Random(seed)
+    screen = {c: rng.uniform(10, 100) for c in every}
+    measured = {c: screen[c] * rng.uniform(0.8, 1.2) for c in every}
+    floored = {c: measured[c] * rng.uniform(0.7, 1.4) for c in every}
+    estimate = {c: rng.uniform(1, 10) for c in every}
+
+    def rate(c, steps):
+        if c.start_floor:
+            assert steps == 3  # only finalists get the floor
+            return floored[replace(c, start_floor=False)]
+        return screen[c] if steps == 1 else measured[c]
+
+    runs = _made_up_search(monkeypatch, rate, every, estimate, space, start_floor=True)
+    plain, cut = runs[False], runs[True]
+    assert list(cut) == list(plain)
+    final = [c for c, r in plain.items() if r["measured_steps"] == 3 and not c.start_floor]
+    assert len(final) == 3
+    assert sorted(c for c in plain if c.start_floor) == sorted(replace(c, start_floor=True) for c in final if c.k >= 1)
+    measured3 = {c: r["samples_per_s"] for c, r in plain.items() if r["measured_steps"] == 3}
+    pick = max(measured3, key=measured3.get)
+    assert max((c for c, r in cut.items() if r["measured_steps"] == 3), key=lambda c: cut[c]["samples_per_s"]) == pick
+    best_final = max(measured[c] for c in final)
+    for c in cut:
+        if c.start_floor and cut[c]["cut_off"]:
+            assert floored[replace(c, start_floor=False)] < best_final
 
 
 def test_a_simulation_measures_its_steps_as_they_run_inside_a_longer_run():
@@ -266,7 +319,7 @@ def test_the_screened_search_picks_the_full_sweeps_best_on_a_small_config():
     kw = {"devices": 24, "max_k": 1, "replicas_per_node": (8,), "measured_steps": 2, "workers": 1, "progress": False}
     full = run_plan(EXAMPLE, SMALL, full=True, cutoff=False, **kw)
     plan = run_plan(EXAMPLE, SMALL, shortlist=2, finalists=1, **kw)
-    assert full.simulated == full.candidates == 5
+    assert full.simulated == full.candidates == 7  # 5 placements, and the 2 with k = 1 with the start floor
     assert plan.chosen["label"] == full.chosen["label"]
     assert plan.chosen["samples_per_s"] == full.chosen["samples_per_s"]  # the same steps of the same simulation
     # the bounded sweep of benchmarks/plan_check.py prunes by the work bound less its margin (10 %): no simulated
@@ -281,8 +334,6 @@ def test_the_walk_steps_over_one_worse_node_along_the_split(monkeypatch):
     placement (64r 102, 72r 85, 80r 122), and a walk that stops at the first worse node picks 0.84 of the best.
     Made-up rates of that shape, with and without cut-offs: the walk steps over the dip, and two worse nodes in a
     row end it on that side."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from asyncflow_core.cli import plan as P
 
     space = {"devices": 128, "node_size": 8, "max_k": 4, "replicas_per_node": (1, 2)}  # 8- and 4-device replicas
@@ -296,13 +347,6 @@ def test_the_walk_steps_over_one_worse_node_along_the_split(monkeypatch):
     start = Candidate(4, False, 64, 64, 8)
     estimate = {c: 1.0 if c == start else 2.0 + (c.k + c.trainer_devices / 8) / 100 for c in every}
 
-    def fake(raw, overrides, c, steps, floor=None):
-        r = rate(c)
-        if floor is not None and r < floor:
-            return {"samples_per_s": (r + floor) / 2, "cut_off": True, "measured_steps": steps}
-        return {"samples_per_s": r, "cut_off": False, "measured_steps": steps}
-
-    monkeypatch.setattr(P, "simulate", fake)
     seen_rate = {c: rate(c) for c in every}
     got = P.beyond_worse_split(start, {c: None for c in every if c.rollout_devices in (56, 72)}, seen_rate.get,
                                node_size=8)
@@ -311,10 +355,8 @@ def test_the_walk_steps_over_one_worse_node_along_the_split(monkeypatch):
     # 72r reads above 64r (the walk moves there instead): only the 56r side is stepped over
     assert P.beyond_worse_split(start, better, better.get, node_size=8) == [Candidate(4, False, 80, 48, 8)]
     assert P.beyond_worse_split(start, {}, seen_rate.get, node_size=8) == got  # neither side known: both
-    for cutoff in (False, True):
-        with ThreadPoolExecutor(2) as pool, P._Runner({}, [], 2, False, pool=pool) as runner:
-            done = P._search(runner, every, estimate, space, shortlist=1, finalists=3, measured_steps=3,
-                             cutoff=cutoff)
+    runs = _made_up_search(monkeypatch, lambda c, steps: rate(c), every, estimate, space, shortlist=1)
+    for cutoff, done in runs.items():
         final = {c: r for c, r in done.items() if r["measured_steps"] == 3}
         pick = max(final, key=lambda c: final[c]["samples_per_s"])
         assert pick == Candidate(4, False, 48, 80, 8), cutoff  # 80r at 120: over the dip at 72r

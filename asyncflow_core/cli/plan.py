@@ -17,7 +17,11 @@ virtual clock (the real runtime and store, lengths-only): the shortlist and
 the best placement of every bound for one step after the warm-up, better
 neighbours of the best (stepping over one worse node along the split:
 :func:`beyond_worse_split`), and finally the best few over ``--steps``
-steps, which rank first. The estimate only decides what to simulate; the pick is
+steps, which rank first; with ``--start-floor`` (on by default) each
+finalist with k >= 1 is also measured with ``async.start_on_step_weights``
+(a prompt starts only on its step's weights: it helps some bounds and
+placements and hurts others, so the planner measures it rather than
+guessing). The estimate only decides what to simulate; the pick is
 the simulator's. ``--full`` simulates every candidate over ``--steps`` (the
 reference the screened search is checked against, docs/simulation.md).
 
@@ -42,7 +46,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -67,6 +71,8 @@ class Candidate:
     trainer_devices: int  #: the whole budget when colocated
     rollout_devices: int  #: the whole budget when colocated
     devices_per_replica: int  #: tensor-parallel degree of one rollout replica
+    #: ``async.start_on_step_weights``: a prompt starts only on weights its step can use (k >= 1)
+    start_floor: bool = False
 
     @property
     def replicas(self) -> int:
@@ -75,7 +81,8 @@ class Candidate:
     @property
     def label(self) -> str:
         where = "colocated" if self.colocated else f"{self.rollout_devices}r/{self.trainer_devices}t"
-        return f"k={self.k} {where} {self.replicas}x{self.devices_per_replica}"
+        floor = " floor" if self.start_floor else ""
+        return f"k={self.k} {where} {self.replicas}x{self.devices_per_replica}{floor}"
 
     def overlay(self) -> dict[str, Any]:
         """The config keys this candidate sets (dotted path -> value)."""
@@ -84,6 +91,7 @@ class Candidate:
             "async.mode": mode,
             "async.max_staleness": self.k,
             "async.colocated": self.colocated,
+            "async.start_on_step_weights": self.start_floor,
             "rollout.replicas": self.replicas,
             "rollout.options.latency.devices_per_replica": self.devices_per_replica,
             "trainer.options.latency.devices": self.trainer_devices,
@@ -104,6 +112,12 @@ def candidates(devices: int, *, node_size: int, max_k: int, replicas_per_node: S
             for k in range(max_k + 1):
                 out.append(Candidate(k, False, t * node_size, devices - t * node_size, dpr))
     return out
+
+
+def floor_variants(cands: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates with k >= 1 again, with ``async.start_on_step_weights`` (at k = 0 it changes nothing: a
+    synchronous step starts every prompt on the newest weights)."""
+    return [replace(c, start_floor=True) for c in cands if c.k >= 1 and not c.start_floor]
 
 
 def neighbours(c: Candidate, *, devices: int, node_size: int, max_k: int,
@@ -402,7 +416,7 @@ class PlanResult:
 def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None = None, node_size: int = 8,
              max_k: int = 4, replicas_per_node: Sequence[int] = (1, 2, 4, 8), measured_steps: int = 3,
              shortlist: int = 8, finalists: int = 3, full: bool = False, workers: int | None = None,
-             progress: bool = True, cutoff: bool = True) -> PlanResult:
+             progress: bool = True, cutoff: bool = True, start_floor: bool = True) -> PlanResult:
     """Screen, simulate and rank the placements of ``config`` (see the module docstring)."""
     from asyncflow_core.config import load_config, resolve
     from asyncflow_core.config.loader import read_yaml
@@ -434,14 +448,15 @@ def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None
     space = {"devices": devices, "node_size": node_size, "max_k": max_k,
              "replicas_per_node": tuple(replicas_per_node)}
     every = candidates(**space)
-    estimate = {c: estimate_step_seconds(w, c) for c in every}
+    variants = floor_variants(every) if start_floor else []
+    estimate = {c: estimate_step_seconds(w, c) for c in every + variants}  # the floor is not in the estimate
     jobs = max(1, workers or os.cpu_count() or 1)
     with _Runner(raw, list(overrides), jobs, progress) as runner:
         if full:
-            done = runner.run(every, measured_steps, keep=finalists if cutoff else None)
+            done = runner.run(every + variants, measured_steps, keep=finalists if cutoff else None)
         else:
             done = _search(runner, every, estimate, space, shortlist=shortlist, finalists=finalists,
-                           measured_steps=measured_steps, cutoff=cutoff)
+                           measured_steps=measured_steps, cutoff=cutoff, start_floor=start_floor)
     ideal = ideal_samples_per_s(w, devices, node_size)
     # placements measured over every step first (the finalists), then those only screened
     rows = sorted(done.values(), key=lambda r: (-r["measured_steps"], -r["samples_per_s"], r["candidate"]["k"]))
@@ -449,18 +464,22 @@ def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None
         r["rank"] = i
         r["efficiency_vs_ideal"] = r["samples_per_s"] / ideal
         r["estimate_samples_per_s"] = w.samples / estimate[Candidate(**r["candidate"])]
-    return PlanResult(rows=rows, chosen=rows[0], ideal_samples_per_s=ideal, candidates=len(every),
+    return PlanResult(rows=rows, chosen=rows[0], ideal_samples_per_s=ideal, candidates=len(every) + len(variants),
                       simulated=len(done), wall_s=time.perf_counter() - t0,
                       settings={**space, "replicas_per_node": list(replicas_per_node), "measured_steps": measured_steps,
-                                "full": full, "cutoff": cutoff, "workers": jobs, "config": str(config),
+                                "full": full, "cutoff": cutoff, "start_floor": start_floor, "workers": jobs,
+                                "config": str(config),
                                 "overrides": list(overrides)})
 
 
 def _search(runner: _Runner, every: list[Candidate], estimate: dict[Candidate, float], space: dict[str, Any], *,
-            shortlist: int, finalists: int, measured_steps: int, cutoff: bool) -> dict[Candidate, dict[str, Any]]:
+            shortlist: int, finalists: int, measured_steps: int, cutoff: bool,
+            start_floor: bool = False) -> dict[Candidate, dict[str, Any]]:
     """Screened search: simulate the analytic shortlist for one step after the warm-up, walk to better
     neighbours (for up to ``_WALK_ROUNDS`` moves; along the split it steps over one worse node, see
-    :func:`beyond_worse_split`), then measure the best few over ``measured_steps`` and keep those rows for them.
+    :func:`beyond_worse_split`), then measure the best few over ``measured_steps`` and keep those rows for them;
+    with ``start_floor``, measure those with k >= 1 again with ``async.start_on_step_weights``
+    (:func:`floor_variants`; cut off, with ``cutoff``, once one cannot beat the best finalist).
 
     With ``cutoff``, a screening simulation stops once it cannot enter the best ``finalists`` screened so far,
     and a finalist once it cannot beat the best finalist so far (:meth:`_Runner.run`): the walk (which starts
@@ -489,6 +508,9 @@ def _search(runner: _Runner, every: list[Candidate], estimate: dict[Candidate, f
             break
     top = sorted(seen, key=lambda c: -rate(c))[:finalists]
     seen.update(runner.run(top, measured_steps, keep=1 if cutoff else None))
+    if start_floor:
+        best = [seen[c]["samples_per_s"] for c in top if not seen[c]["cut_off"]]
+        seen.update(runner.run(floor_variants(top), measured_steps, keep=1 if cutoff else None, known=best))
     return seen
 
 
@@ -628,6 +650,7 @@ def print_table(result: PlanResult, console: Any, limit: int = 20) -> None:
     for r in result.rows[:limit]:
         c = r["candidate"]
         where = "colocated" if c["colocated"] else f"{c['rollout_devices']} roll / {c['trainer_devices']} train"
+        where += ", start floor" if c.get("start_floor") else ""
         table.add_row(str(r["rank"]), str(c["k"]), where, f"{c['rollout_devices'] // c['devices_per_replica']} x "
                       f"{c['devices_per_replica']}",
                       f"< {r['samples_per_s']:.1f}" if r.get("cut_off") else f"{r['samples_per_s']:.1f}",
@@ -728,6 +751,9 @@ def plan_cmd(
     cutoff: Annotated[bool, typer.Option(help="Stop a simulation once it cannot rank among the best (its row "
                                               "then holds an upper bound, shown '< x'); the pick is the same.")] = True,
     out: Annotated[Path, typer.Option(help="Directory for plan.json, pareto.png, overlay.yaml, chosen.yaml.")] = Path("plan"),
+    start_floor: Annotated[bool, typer.Option(help="Also measure the finalists with k >= 1 with "
+                                                   "async.start_on_step_weights (a prompt starts only on its step's "
+                                                   "weights), and pick it where it is faster.")] = True,
     progress: Annotated[bool, typer.Option(help="Progress bar on a terminal.")] = True,
 ) -> None:
     """Pick the staleness bound and the rollout/train placement for a simulated config: a ranked table, a Pareto
@@ -742,7 +768,7 @@ def plan_cmd(
         raise ConfigError(f"--replicas-per-node {replicas_per_node!r}: give integers, e.g. 1,2,4,8") from None
     result = run_plan(config, overrides or [], devices=devices, node_size=node_size, max_k=max_staleness,
                       replicas_per_node=rpn, measured_steps=steps, shortlist=shortlist, finalists=finalists,
-                      full=full, workers=workers, cutoff=cutoff,
+                      full=full, workers=workers, cutoff=cutoff, start_floor=start_floor,
                       progress=progress and sys.stderr.isatty())
     console = Console(width=None if sys.stdout.isatty() else 200)
     print_table(result, console)
