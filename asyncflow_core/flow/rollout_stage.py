@@ -29,7 +29,6 @@ from asyncflow_core import columns as C
 from asyncflow_core.flow.engine_pool import EnginePool, Replica
 from asyncflow_core.flow.prompts import row_prompts
 from asyncflow_core.flow.episode import EpisodeFactory, SingleTurn, SingleTurnEpisodes
-from asyncflow_core.flow.episode import as_tuple as _as_tuple  # noqa: F401 - re-exported (older imports)
 from asyncflow_core.flow.rollout_episodes import EpisodeDriving
 from asyncflow_core.flow.rollout_eval import EvalDispatch, EvalSlot
 from asyncflow_core.flow.stage import Stage, unless
