@@ -132,6 +132,85 @@ def test_the_twin_of_an_overlapped_run_predicts_it_only_with_the_host(host_runs,
     assert rates[1] > 1.3 * actual
 
 
+@pytest.fixture(scope="module")
+def long_train_runs(tmp_path_factory):
+    """As host_runs, but train steps five times longer than a replica's busy period: in the one_step run no
+    train_step span is half overlapped by a generate span, so only the replica's rate can be first guessed."""
+    tmp = tmp_path_factory.mktemp("long_train")
+    kw = {"host": HOST, "reward_s": DRIVER_S, "train_s": 0.01}
+    return [_oracle(tmp, 8, "b8", **kw), _oracle(tmp, 4, "b4", **kw),
+            _oracle(tmp, 8, "one_step", mode="one_step", steps=10, **kw)]
+
+
+def test_a_host_is_fitted_when_only_the_replica_spans_are_overlapped(long_train_runs):
+    """The trainer's rate is searched from 1 (not slowed); the host found reproduces the overlapped run, which
+    the engines alone miss by a fifth."""
+    from asyncflow_core.cli.calibrate import Calibration, simulated_twin
+
+    cal = fit_runs(long_train_runs, cores=2)
+    assert cal.fit["host"]["train_spans"] == 0 and cal.fit["host"]["rollout_spans"] > 0
+    assert any("searched from 1" in n for n in cal.notes)
+    assert cal.host["demand"]["train"] == pytest.approx(HOST["demand"]["train"], rel=0.05)
+    assert cal.host["efficiency"] == pytest.approx(HOST["efficiency"], rel=0.05)
+    config = long_train_runs[2] / "config.yaml"
+    actual = json.loads((long_train_runs[2] / "summary.json").read_text())["steady_samples_per_s"]
+    raw = yaml.safe_load(config.read_text())
+    rates = [run_flow(resolve(load_config(config, simulated_twin(raw, c))), virtual=True,
+                      write_png=False)["steady_samples_per_s"] for c in (cal, Calibration(**{**vars(cal), "host": {}}))]
+    assert rates[0] == pytest.approx(actual, rel=0.02)
+    assert rates[1] > 1.15 * actual
+
+
+def test_replicas_of_an_engine_in_the_driver_process_take_turns_on_one_thread(host_runs):
+    """The torch engine under the local launcher serves from the driver's interpreter: its replicas share one
+    thread of the host (the twin's rollout machine names it); vLLM's replicas, or any under Ray, do not."""
+    from asyncflow_core.cli.calibrate import _replicas_share_driver, fit, simulated_twin
+
+    records = [load_run(p) for p in host_runs]
+    for r in records:
+        r.config["rollout"]["name"] = "torch"
+    cal = fit(records, cores=2)
+    assert cal.host["threads"] == {"rollout": "driver"}
+    assert cal.share("rollout")["thread"] == "driver" and "thread" not in cal.share("train")
+    assert any("take turns" in n for n in cal.notes)
+    twin = dict(o.split("=", 1) for o in simulated_twin({**records[2].config, "rollout": {
+        **records[2].config["rollout"], "replicas": 2}}, cal))
+    assert json.loads(twin["rollout.options"])["machine"]["thread"] == "driver"
+    # what decides it
+    assert _replicas_share_driver({"rollout": {"name": "torch"}})
+    assert not _replicas_share_driver({"rollout": {"name": "vllm"}})
+    assert not _replicas_share_driver({"rollout": {"name": "torch"}, "launcher": {"name": "ray"}})
+
+
+def test_the_train_lanes_own_work_and_the_batch_fetch_are_measured_from_the_spans():
+    """Hand-computed. The lane's time outside its spans, per step (median): steps (0, 2] and (2, 4] hold spans
+    covering 1.5 and 1.0 s -> gaps 0.5 and 1.0. The fetch, per wait span after the first: from the last
+    generate/score end inside it (2.6) to its end -> 0.4; none inside the last -> all of it, 1.0."""
+    from asyncflow_core.cli.calibrate import _fetch_times, _lane_gap
+
+    assert _lane_gap([(0.0, 1.0), (0.5, 0.8), (1.5, 2.0), (2.5, 3.5)], [0.0, 2.0, 4.0]) == pytest.approx(0.75)
+    assert _fetch_times([(0.0, 1.0), (2.0, 3.0), (4.0, 5.0)], [0.5, 2.2, 2.6, 6.0]) == pytest.approx([0.4, 1.0])
+
+
+def test_the_simulated_train_step_carries_the_lanes_own_work_and_the_fetch(host_runs):
+    """Work the train stage does between its spans (gaps of the sync runs) and fetching a ready batch (an
+    overlapped run's waits) is on the train lane's critical path; the twin's train step carries both, and
+    the host search matches the real train step plus them. The simulator's own runs have neither."""
+    from asyncflow_core.cli.calibrate import _lane_widths, fit
+
+    records = [load_run(p) for p in host_runs]
+    assert all(r.train_gap_seconds == pytest.approx(0.0, abs=1e-6) for r in records)
+    assert all(f == pytest.approx(0.0, abs=1e-6) for f in records[2].fetch_seconds)
+    for r in records[:2]:
+        r.train_gap_seconds = 0.01
+    records[2].fetch_seconds = [0.02] * len(records[2].fetch_seconds)
+    cal = fit(records, cores=2)
+    assert (cal.fit["train_lane_gap_s"], cal.fit["fetch_s"]) == pytest.approx((0.03, 0.02))
+    assert cal.train["step_overhead_s"] == pytest.approx(TRAIN_OVERHEAD_S + 0.03, rel=0.02)
+    real_width = _lane_widths(records[2].train_spans, records[2].step_ends, 1)[0]  # one_step: k = 1
+    assert all(h["train_width"][1] == pytest.approx(real_width + 0.03, abs=1e-12) for h in cal.fit["host"]["rounds"])
+
+
 def test_sync_runs_alone_fit_no_host_and_say_so(oracle_runs):
     cal = fit_runs(oracle_runs)
     assert cal.host == {} and cal.share("train") is None

@@ -121,3 +121,60 @@ def test_engines_that_disagree_on_the_host_are_refused_in_one_line():
             SimHostShare(name="h", capacity=2.0, demand=1.0))
 
     run_virtual(body())
+
+
+def test_busy_periods_on_one_thread_take_turns_and_the_thread_counts_once_on_the_host():
+    """Capacity 2, demand 1 each, 1 s of work each from 0. Two on thread "t" and one of its own: the thread counts
+    as one activity of demand 1, so the host (demand 2) is not contended; the thread's two busy periods take turns
+    (rate 1/2 each) and end at 2 s, the third runs as if alone (1 s). Without the thread the three share 2 cores
+    (rate 2/3): all end at 1.5 s. Turns while the other arrives: A (1 s of work from 0) and B (0.25 s from 0.5),
+    both on the thread: A alone to 0.5, both at 1/2 until B is done at 1.0, A's last 0.25 alone -> 1.25."""
+
+    async def ends(host, jobs):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+
+        async def job(start, work, thread):
+            await asyncio.sleep(start)
+            await host.spend(work, 1.0, thread=thread)
+            return loop.time() - t0
+
+        return await asyncio.gather(*(job(*j) for j in jobs))
+
+    async def body():
+        turns = await ends(SimHost("h", 2.0), [(0.0, 1.0, "t"), (0.0, 1.0, "t"), (0.0, 1.0, None)])
+        shared = await ends(SimHost("h", 2.0), [(0.0, 1.0, None)] * 3)
+        arriving = await ends(SimHost("h", 2.0), [(0.0, 1.0, "t"), (0.5, 0.25, "t")])
+        return turns, shared, arriving
+
+    turns, shared, arriving = run_virtual(body())
+    assert turns == pytest.approx([2.0, 2.0, 1.0], abs=1e-9)
+    assert shared == pytest.approx([1.5] * 3, abs=1e-9)
+    assert arriving == pytest.approx([1.25, 1.0], abs=1e-9)
+
+
+def test_two_replicas_on_one_thread_take_as_long_as_one_doing_both_batches():
+    """Two sim replicas, 100 decoding steps of 10 ms each (1 s alone), on a 2-core host where each demands 1 core:
+    in their own processes both end at 1 s; on one thread (the driver's interpreter) they take turns, 2 s."""
+    lat = RolloutLatency(step_overhead_s=0.01, weight_read_s=0.0, per_seq_s=0.0, prefill_s_per_token=0.0)
+
+    async def body(thread):
+        loop = asyncio.get_running_loop()
+        share = SimHostShare(capacity=2.0, demand=1.0, thread=thread)
+        replicas = [SimRolloutEngine(SimRolloutConfig(latency=lat, machine=share)) for _ in range(2)]
+        for r in replicas:
+            await r.start()
+
+        async def generate(r, rid):
+            req = GenerationRequest(rid, (1, 2), SamplingParams(max_new_tokens=1000),
+                                    metadata={LENGTH_METADATA_KEY: 100})
+            return [loop.time() async for _ in r.generate([req])][0]
+
+        t0 = loop.time()
+        out = await asyncio.gather(generate(replicas[0], "A"), generate(replicas[1], "B"))
+        for r in replicas:
+            await r.shutdown()
+        return [t - t0 for t in out]
+
+    assert run_virtual(body(None)) == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert run_virtual(body("driver")) == pytest.approx([2.0, 2.0], abs=1e-6)

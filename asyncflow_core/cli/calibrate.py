@@ -21,6 +21,11 @@ the ``sim`` engines (docs/simulation.md) by least squares:
   and both are fitted, else the whole cost is put on ``o`` (right for
   small models, whose passes cost the same whatever the batch) and the
   fit says so;
+- **train lane**: the train stage's own work between its spans (the median
+  uncovered time of a step on the ``train`` lane, in the sync runs) and the
+  fetch of a ready batch (an overlapped run's ``wait_batch`` time after the
+  last rows it waited for were generated or scored) are added to the train
+  step's overhead: they are on the trainer's critical path in every mode;
 - **weights**: ``send_weights`` and ``update_weights`` span means;
 - **lengths**: the mean response length (the sim draws lengths around it);
 - **driver**: what a synchronous step's engine spans leave unexplained
@@ -35,7 +40,9 @@ the ``sim`` engines (docs/simulation.md) by least squares:
   engine: ``W = width x (1 - f) + width x f x rate``; the median rate of
   each engine gives the shared host's demands and efficiency
   (:mod:`asyncflow_plugins.sim.host`). The sync runs give the costs alone,
-  so base costs are fitted from them only.
+  so base costs are fitted from them only. Replicas of an engine that serves
+  from the driver's process (``torch``, ``toy`` under the local launcher)
+  take turns on one thread of the host: one interpreter runs their Python.
 
 :func:`sim_overrides` turns a config into its simulated twin: rollout,
 trainer and weight transport become ``sim`` with the fitted model, the
@@ -46,6 +53,7 @@ and everything else — data, batch sizes, bound, replicas — stays, so
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import statistics
@@ -60,6 +68,16 @@ from asyncflow_core.errors import ConfigError
 
 #: per-replica concurrency options of the real engines, mapped onto the sim engine's max_running_seqs
 _BATCH_OPTIONS = ("max_batch", "max_num_seqs", "max_running_requests")
+#: rollout engines whose replicas run in the driver's process under the local launcher: their Python work holds
+#: one interpreter, so replicas busy at once take turns (the sim host's ``thread``); other engines serve from
+#: processes of their own (vLLM's and SGLang's engine cores, Ray actors)
+_IN_PROCESS_ROLLOUT = ("torch", "toy")
+
+
+def _replicas_share_driver(config: dict[str, Any]) -> bool:
+    """Whether ``config``'s rollout replicas run in the driver's process (one interpreter for all of them)."""
+    launcher = (config.get("launcher") or {}).get("name", "local")
+    return launcher == "local" and (config.get("rollout") or {}).get("name") in _IN_PROCESS_ROLLOUT
 
 
 @dataclass
@@ -94,6 +112,12 @@ class RunRecord:
     replicas: int
     weight_bytes: float
     steady_samples_per_s: float | None
+    #: median per step of the train lane's time outside its spans (the train stage's own work between them:
+    #: concatenating the batch, the bound's check, acks, the step's event); 0 for runs without spans on it
+    train_gap_seconds: float = 0.0
+    #: per wait_batch span after the first: its time after the last generate or score span that ended inside
+    #: it (all of it when none did: the batch was ready), i.e. fetching the batch, not waiting for it
+    fetch_seconds: list[float] = field(default_factory=list)
 
     @property
     def period_seconds(self) -> float:
@@ -152,7 +176,45 @@ def load_run(run_dir: Path) -> RunRecord:
         generated_tokens=generated, prompt_tokens=prompt, max_new_tokens=int(config["rollout"]["max_new_tokens"]),
         replicas=int(config["rollout"].get("replicas", 1)),
         weight_bytes=statistics.fmean([float(m.get("weight_bytes", 0.0)) for m in metrics]) or 1.0,
-        steady_samples_per_s=summary.get("steady_samples_per_s"))
+        steady_samples_per_s=summary.get("steady_samples_per_s"),
+        fetch_seconds=_fetch_times([(s.start, s.end) for s in spans if s.lane == "train" and s.name == "wait_batch"],
+                                   [s.end for s in spans if (s.lane.startswith("rollout/") and s.name == "generate")
+                                    or (s.lane.startswith("reward") and s.name == "score")]),
+        train_gap_seconds=_lane_gap([(s.start, s.end) for s in spans if s.lane == "train"],
+                                    [float(m["time_s"]) for m in metrics]))
+
+
+def _fetch_times(waits: list[tuple[float, float]], work_ends: list[float]) -> list[float]:
+    """Per wait span after the first: the time from the last of ``work_ends`` inside it (rows generated or
+    scored: what it waited for) to its end, or all of it when none is inside."""
+    ends = sorted(work_ends)
+    out = []
+    for start, end in sorted(waits)[1:]:
+        i = bisect.bisect_right(ends, end) - 1
+        last = ends[i] if i >= 0 and ends[i] > start else start
+        out.append(end - last)
+    return out
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[list[float]]:
+    """``spans`` (start, end) as disjoint intervals, in order."""
+    merged: list[list[float]] = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
+def _lane_gap(spans: list[tuple[float, float]], ends: list[float]) -> float:
+    """Median over the steps after the first (between consecutive step ends) of the time no span of a lane covers."""
+    merged = _merged(spans)
+    gaps = []
+    for lo, hi in zip(ends, ends[1:]):
+        covered = sum(max(0.0, min(hi, e) - max(lo, s)) for s, e in merged if s < hi and e > lo)
+        gaps.append(max(0.0, hi - lo - covered))
+    return statistics.median(gaps) if gaps else 0.0
 
 
 @dataclass
@@ -179,8 +241,10 @@ class Calibration:
         """The ``machine:`` option of the sim ``engine`` (rollout, train, reward), None without a host model."""
         if not self.host:
             return None
-        return {"name": "host", "capacity": self.host["capacity"], "efficiency": self.host["efficiency"],
-                "demand": self.host["demand"][engine]}
+        out = {"name": "host", "capacity": self.host["capacity"], "efficiency": self.host["efficiency"],
+               "demand": self.host["demand"][engine]}
+        thread = (self.host.get("threads") or {}).get(engine)
+        return {**out, "thread": thread} if thread else out
 
 
 def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -232,8 +296,18 @@ def fit(runs: Sequence[RunRecord], *, cores: int | None = None) -> Calibration:
                      "runs at two batch sizes to fit both)")
     else:
         a, b = _least_squares([[x, 1.0] for x in xs], ys)
+    # the train stage's own work between its spans is on the train lane's critical path in every mode (in a
+    # synchronous step the driver fit below would take it too, but an overlapped step hides the driver's lane and
+    # not this): the simulated train step carries it
+    gap = statistics.median(r.train_gap_seconds for r in base)
+    # and fetching its batch from the store (and the advantages folded in on the way): a wait_batch span's time
+    # after the last rows it waited for were generated or scored. An overlapped run shows it (its batches are
+    # mostly ready); in a synchronous run the driver fit below takes it with the rest of the step
+    fetches = [f for r in overlapped for f in r.fetch_seconds]
+    fetch = statistics.median(fetches) if fetches else 0.0
+    gap += fetch
     train = {"devices": 1, "params": 1.0, "mfu": 1.0, "peak_flops_per_device": 6.0 / max(a, 1e-15),
-             "step_overhead_s": b}
+             "step_overhead_s": b + gap}
     fwd = [s for r in base for s in r.forward_seconds]
     if fwd:
         train["forward_fraction"] = 1.0
@@ -304,12 +378,20 @@ def fit(runs: Sequence[RunRecord], *, cores: int | None = None) -> Calibration:
         rate_t, rate_r = _median_rate(rates_t), _median_rate(rates_r)
         n_t, n_r = len(rates_t), len(rates_r)
         host_fit = {"train_rate": rate_t, "rollout_rate": rate_r, "train_spans": n_t, "rollout_spans": n_r}
-        if rate_t is None or rate_r is None:
+        if rate_t is None and rate_r is None:
             notes.append("host: the overlapped runs have too few train_step / generate spans that overlap each other "
                          "(half their width or more) to fit the shared host; the engines stay independent")
         else:
-            rate_t, rate_r, match = _match_host(overlapped[0], cal, rate_t, rate_r, cores)
-            cal.host = _host_model(rate_t, rate_r, cores)
+            if rate_t is None or rate_r is None:  # e.g. short generations beside long train steps: none half overlapped
+                notes.append(f"host: no {'train_step' if rate_t is None else 'generate'} span of the overlapped runs is "
+                             "half overlapped by the other engine's; its rate is searched from 1 (not slowed)")
+                rate_t, rate_r = rate_t or 1.0, rate_r or 1.0
+            threads = {"rollout": "driver"} if _replicas_share_driver(runs[0].config) else None
+            rate_t, rate_r, match = _match_host(overlapped[0], cal, rate_t, rate_r, cores, threads, gap)
+            cal.host = _host_model(rate_t, rate_r, cores, threads)
+            if threads:
+                notes.append(f"host: the {runs[0].config['rollout']['name']} engine's replicas run in the driver's "
+                             "process, so replicas busy at once take turns on its interpreter (a thread of the host)")
             host_fit.update(match, cores=cores, matched_on=str(overlapped[0].path))
             if any(r.replicas > 1 for r in overlapped):
                 notes.append("host: an overlapped calibration run has several replicas; the fit treats each "
@@ -319,7 +401,9 @@ def fit(runs: Sequence[RunRecord], *, cores: int | None = None) -> Calibration:
                      "are independent; on a machine whose engines share cores give one, e.g. async.mode=one_step")
     fit_info = {
         "runs": [str(r.path) for r in runs],
-        "train_s_per_token": a, "train_overhead_s": b, "driver_s_per_sample": driver, "other_step_gaps_s": gaps,
+        "train_s_per_token": a, "train_overhead_s": b, "train_lane_gap_s": gap, "fetch_s": fetch,
+        "driver_s_per_sample": driver,
+        "other_step_gaps_s": gaps,
         "train_median_s": ys, "train_median_tokens": xs,
         "rollout_pass_s": o, "rollout_token_s": c,
         "rollout_period_s": busy, "rollout_period_fitted_s": [o * p + c * t for p, t in rows],
@@ -381,12 +465,7 @@ def _overlap_rates(spans: list[tuple[float, float, float]], others: list[tuple[f
                    min_overlap: float = 0.5) -> list[float]:
     """Rates of work during overlap, one run: each span (start, end, work alone) overlapped by ``others`` (same
     run clock) for a fraction f >= ``min_overlap`` of its width w gives ``(work - w (1 - f)) / (w f)``."""
-    merged: list[list[float]] = []
-    for s, e in sorted(others):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
+    merged = _merged(others)
     rates = []
     for s, e, work in spans:
         width = e - s
@@ -399,10 +478,11 @@ def _overlap_rates(spans: list[tuple[float, float, float]], others: list[tuple[f
     return rates
 
 
-def _match_host(run: RunRecord, cal: Calibration, rate_t: float, rate_r: float, cores: int
-                ) -> tuple[float, float, dict[str, Any]]:
+def _match_host(run: RunRecord, cal: Calibration, rate_t: float, rate_r: float, cores: int,
+                threads: dict[str, str] | None = None, gap: float = 0.0) -> tuple[float, float, dict[str, Any]]:
     """Rates (trainer, replica beside each other) whose host makes ``run``'s simulated twin reproduce its median
-    ``train_step`` width and its mean step (after the warm-up of k + 1), from the first guess ``rate_t, rate_r``.
+    ``train_step`` width (plus ``gap``: the train lane's own work per step, which the twin's train step
+    carries) and its mean step (after the warm-up of k + 1), from the first guess ``rate_t, rate_r``.
 
     The first guess takes each span's work alone from the sync fit; but a replica's busy period of an
     overlapped run may hold several batches (the next one arrives before it is idle), weight updates land
@@ -414,10 +494,11 @@ def _match_host(run: RunRecord, cal: Calibration, rate_t: float, rate_r: float, 
     """
     k = int((run.config.get("async") or {}).get("max_staleness", 1) or 1)
     real_t, real_s = _lane_widths(run.train_spans, run.step_ends, k)
+    real_t += gap
     history: list[dict[str, Any]] = []
 
     def trial(rt: float, rr: float) -> dict[str, Any]:
-        cal.host = _host_model(rt, rr, cores)
+        cal.host = _host_model(rt, rr, cores, threads)
         spans = _simulated_spans(run, cal, steps=min(40, len(run.train_seconds)))
         sim_t, sim_s = _lane_widths(spans["train"], spans["ends"], k)
         history.append({"train_rate": rt, "rollout_rate": rr, "train_width": [sim_t, real_t], "step": [sim_s, real_s],
@@ -472,14 +553,15 @@ def _next_rate(rate: float, width: float, target: float, prev: tuple[float, floa
     return min(1.0, max(0.02, new))
 
 
-def _host_model(rate_t: float, rate_r: float, cores: int) -> dict[str, Any]:
+def _host_model(rate_t: float, rate_r: float, cores: int, threads: dict[str, str] | None = None) -> dict[str, Any]:
     """Host options that give the trainer ``rate_t`` and a replica ``rate_r`` of their speed alone while both run.
 
     Rates that sum to less than 1: both keep the host busy alone (demand >= capacity), so they split it in
     proportion to their demands, and the efficiency is the sum of the two rates (what is left of the host's
     throughput). Rates that sum to 1 or more lose nothing (efficiency 1): the faster engine does not fill
     the host alone (demand below capacity: it runs at capacity / D), the slower one does (capacity / D x
-    demand / capacity). The driver (reward lane) is one Python thread: one core.
+    demand / capacity). The driver (reward lane) is one Python thread: one core. ``threads``: engine -> the
+    host thread its busy periods take turns on (replicas in the driver's process).
     """
     cap = float(cores)
     lo_t, lo_r = min(rate_t, 1.0), min(rate_r, 1.0)
@@ -491,7 +573,8 @@ def _host_model(rate_t: float, rate_r: float, cores: int) -> dict[str, Any]:
         low, high = sorted((lo_t, lo_r))
         big, small = cap * high / low, max(1e-3 * cap, cap * (1.0 - high) / low)
         d_t, d_r = (big, small) if lo_t >= lo_r else (small, big)
-    return {"capacity": cap, "efficiency": eff, "demand": {"train": d_t, "rollout": d_r, "reward": min(1.0, cap)}}
+    out = {"capacity": cap, "efficiency": eff, "demand": {"train": d_t, "rollout": d_r, "reward": min(1.0, cap)}}
+    return {**out, "threads": dict(threads)} if threads else out
 
 
 def _twin_config(run: RunRecord, cal: Calibration, steps: int) -> Any:

@@ -19,6 +19,14 @@ a contended host loses (threads spinning at barriers, cache and GIL
 contention). Rates change only when an activity on the host starts or ends;
 then every activity's remaining work is brought up to date and its finish
 timer moved.
+
+Engines may also name a ``thread`` on the host: the busy periods of the
+engines on one thread take turns on it (replicas of an engine that runs in
+the driver's interpreter, which holds one lock for its Python work). The
+thread counts as one activity on the host, of the largest demand among its
+busy periods, and while ``n`` of them are active each progresses at ``1 / n``
+of the thread's rate: two replicas on one thread take as long as one doing
+both batches.
 """
 
 from __future__ import annotations
@@ -47,6 +55,10 @@ class SimHostShare(BaseModel):
         "(the same on every engine that names it; 1: pure processor sharing).")
     demand: float = Field(..., gt=0, description="Cores this engine keeps busy when it runs alone (may exceed "
                           "capacity: then it is slowed by the others in proportion to its demand).")
+    thread: str | None = Field(
+        None, min_length=1, description="Engines naming the same thread take turns on it (replicas of an engine in "
+        "the driver's process, whose interpreter runs one at a time): n busy at once each progress 1/n as fast as "
+        "the thread. None: the engine's busy periods run side by side (their own processes).")
 
 
 @dataclass(eq=False)
@@ -61,6 +73,7 @@ class Activity:
     rate: float = 1.0
     done: float = 0.0  #: modelled seconds of work done so far
     handle: asyncio.TimerHandle | None = None
+    thread: str | None = None  #: busy periods of one thread take turns (None: its own)
 
 
 class SimHost:
@@ -90,13 +103,15 @@ class SimHost:
         """Activities running on the host now."""
         return len(self._active)
 
-    def start(self, work: float, demand: float, scale: float, future: asyncio.Future) -> Activity:
-        """Begin ``work`` modelled seconds of work; ``future`` gets ``False`` when it is done (unless resolved
-        earlier by its owner, who then calls :meth:`stop`)."""
+    def start(self, work: float, demand: float, scale: float, future: asyncio.Future, *,
+              thread: str | None = None) -> Activity:
+        """Begin ``work`` modelled seconds of work (on ``thread``: taking turns with its other busy periods);
+        ``future`` gets ``False`` when it is done (unless resolved earlier by its owner, who then calls
+        :meth:`stop`)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._advance(now)
-        act = Activity(demand, max(0.0, work), scale, future, now)
+        act = Activity(demand, max(0.0, work), scale, future, now, thread=thread)
         self._active[act] = None
         self._replan(loop, now)
         return act
@@ -113,21 +128,39 @@ class SimHost:
             self._replan(loop, now)
         return act.done
 
-    async def spend(self, work: float, demand: float, scale: float = 1.0) -> None:
+    async def spend(self, work: float, demand: float, scale: float = 1.0, *, thread: str | None = None) -> None:
         """Do ``work`` modelled seconds of work on the host (an uninterruptible busy period)."""
         fut = asyncio.get_running_loop().create_future()
-        act = self.start(work, demand, scale, fut)
+        act = self.start(work, demand, scale, fut, thread=thread)
         try:
             await fut
         finally:
             self.stop(act)
 
     # -- bookkeeping ----------------------------------------------------------------------
+    def _load(self) -> tuple[float, int, dict[str, tuple[float, int]]]:
+        """(total demand, activities, thread -> (its demand, its busy periods)): a thread counts once, with the
+        largest demand among its busy periods."""
+        threads: dict[str, tuple[float, int]] = {}
+        total, count = 0.0, 0
+        for a in self._active:
+            if a.thread is None:
+                total += a.demand
+                count += 1
+            else:
+                d, n = threads.get(a.thread, (0.0, 0))
+                threads[a.thread] = (max(d, a.demand), n + 1)
+        for d, _ in threads.values():
+            total += d
+            count += 1
+        return total, count, threads
+
     def _advance(self, now: float) -> None:
         if self._mark is not None and self._active:
             span = now - self._mark
             self.busy_seconds += span
-            if self._contended(sum(a.demand for a in self._active), len(self._active)):
+            total, count, _ = self._load()
+            if self._contended(total, count):
                 self.contended_seconds += span
         self._mark = now
         for act in self._active:
@@ -137,10 +170,13 @@ class SimHost:
             act.since = now
 
     def _replan(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
-        total = sum(a.demand for a in self._active)
-        count = len(self._active)
+        total, count, threads = self._load()
         for act in self._active:
-            rate = self.rate(act.demand, total, count)
+            if act.thread is None:
+                rate = self.rate(act.demand, total, count)
+            else:
+                demand, turns = threads[act.thread]
+                rate = self.rate(demand, total, count) / turns
             if act.handle is not None and rate == act.rate:
                 continue  # same rate, same finish time: keep the timer
             act.rate = rate

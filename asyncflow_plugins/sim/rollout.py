@@ -548,8 +548,9 @@ class SimRolloutEngine(RolloutEngine):
         if self._host is None:
             await asyncio.sleep(seconds * self._scale)
         else:
-            assert self.config.machine is not None
-            await self._host.spend(seconds, self.config.machine.demand, self._scale)
+            share = self.config.machine
+            assert share is not None
+            await self._host.spend(seconds, share.demand, self._scale, thread=share.thread)
 
     # -- the scheduler --------------------------------------------------------------------
     def _poke_scheduler(self) -> None:
@@ -576,8 +577,9 @@ class SimRolloutEngine(RolloutEngine):
         """Work ``seconds`` on the shared host unless poked first: (poked, modelled seconds of work done)."""
         fut = asyncio.get_running_loop().create_future()
         self._poke = fut
-        assert self.config.machine is not None
-        act = host.start(seconds, self.config.machine.demand, self._scale, fut)
+        share = self.config.machine
+        assert share is not None
+        act = host.start(seconds, share.demand, self._scale, fut, thread=share.thread)
         try:
             poked = await fut
         finally:

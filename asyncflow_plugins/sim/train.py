@@ -109,7 +109,7 @@ class SimTrainEngine(TrainEngine):
         if share is None:
             await asyncio.sleep(seconds * self.config.time_scale)
         else:  # the work takes longer while other engines run on the host
-            await host_for(share).spend(seconds, share.demand, self.config.time_scale)
+            await host_for(share).spend(seconds, share.demand, self.config.time_scale, thread=share.thread)
         self.stats.busy_seconds += seconds
 
     def _logprobs(self, batch: Batch) -> RaggedTensor:

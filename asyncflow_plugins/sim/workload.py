@@ -94,5 +94,5 @@ class SimReward(Reward):
         if share is None:
             await asyncio.sleep(seconds)
         else:
-            await host_for(share).spend(seconds, share.demand)
+            await host_for(share).spend(seconds, share.demand, thread=share.thread)
         return [(True, self.score(s)) for s in samples]
