@@ -158,6 +158,20 @@ def test_the_cli_refuses_bad_plans_and_payloads_with_one_line(capsys):
         assert len(err) == 1 and err[0].startswith("error:") and expected in err[0], err
 
 
+def test_the_cli_plans_without_the_start_floor_when_told(tmp_path, capsys):
+    """--no-start-floor: no placement is measured with async.start_on_step_weights, and the overlay sets it off."""
+    from asyncflow_core.cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", str(EXAMPLE), *SMALL, "--devices", "16", "--max-staleness", "1", "--replicas-per-node", "8",
+              "--steps", "1", "--full", "--workers", "1", "--no-progress", "--no-start-floor", "--out", str(tmp_path)])
+    assert exc.value.code == 0
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert len(rows) == 3 and not any(r["candidate"]["start_floor"] for r in rows)
+    assert yaml.safe_load((tmp_path / "overlay.yaml").read_text())["async"]["start_on_step_weights"] is False
+    capsys.readouterr()
+
+
 def test_asyncflow_sim_runs_lengths_only_unless_told(tmp_path, capsys):
     from asyncflow_core.cli.main import main
 
