@@ -128,7 +128,8 @@ def test_busy_periods_on_one_thread_take_turns_and_the_thread_counts_once_on_the
     as one activity of demand 1, so the host (demand 2) is not contended; the thread's two busy periods take turns
     (rate 1/2 each) and end at 2 s, the third runs as if alone (1 s). Without the thread the three share 2 cores
     (rate 2/3): all end at 1.5 s. Turns while the other arrives: A (1 s of work from 0) and B (0.25 s from 0.5),
-    both on the thread: A alone to 0.5, both at 1/2 until B is done at 1.0, A's last 0.25 alone -> 1.25."""
+    both on the thread: A alone to 0.5, both at 1/2 until B is done at 1.0, A's last 0.25 alone -> 1.25.
+    The host counts as contended (two activities, more demand than cores) only while the three share it."""
 
     async def ends(host, jobs):
         loop = asyncio.get_running_loop()
@@ -142,15 +143,17 @@ def test_busy_periods_on_one_thread_take_turns_and_the_thread_counts_once_on_the
         return await asyncio.gather(*(job(*j) for j in jobs))
 
     async def body():
-        turns = await ends(SimHost("h", 2.0), [(0.0, 1.0, "t"), (0.0, 1.0, "t"), (0.0, 1.0, None)])
-        shared = await ends(SimHost("h", 2.0), [(0.0, 1.0, None)] * 3)
-        arriving = await ends(SimHost("h", 2.0), [(0.0, 1.0, "t"), (0.5, 0.25, "t")])
-        return turns, shared, arriving
+        hosts = [SimHost("h", 2.0) for _ in range(3)]
+        turns = await ends(hosts[0], [(0.0, 1.0, "t"), (0.0, 1.0, "t"), (0.0, 1.0, None)])
+        shared = await ends(hosts[1], [(0.0, 1.0, None)] * 3)
+        arriving = await ends(hosts[2], [(0.0, 1.0, "t"), (0.5, 0.25, "t")])
+        return turns, shared, arriving, [x for h in hosts for x in (h.busy_seconds, h.contended_seconds)]
 
-    turns, shared, arriving = run_virtual(body())
+    turns, shared, arriving, seconds = run_virtual(body())
     assert turns == pytest.approx([2.0, 2.0, 1.0], abs=1e-9)
     assert shared == pytest.approx([1.5] * 3, abs=1e-9)
     assert arriving == pytest.approx([1.25, 1.0], abs=1e-9)
+    assert seconds == pytest.approx([2.0, 0.0, 1.5, 1.5, 1.25, 0.0], abs=1e-9)  # busy, contended per host
 
 
 def test_two_replicas_on_one_thread_take_as_long_as_one_doing_both_batches():

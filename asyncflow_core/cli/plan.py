@@ -449,7 +449,8 @@ def run_plan(config: Path, overrides: Sequence[str] = (), *, devices: int | None
              "replicas_per_node": tuple(replicas_per_node)}
     every = candidates(**space)
     variants = floor_variants(every) if start_floor else []
-    estimate = {c: estimate_step_seconds(w, c) for c in every + variants}  # the floor is not in the estimate
+    estimate = {c: estimate_step_seconds(w, c) for c in every}
+    estimate.update({v: estimate[replace(v, start_floor=False)] for v in variants})  # the floor is not in it
     jobs = max(1, workers or os.cpu_count() or 1)
     with _Runner(raw, list(overrides), jobs, progress) as runner:
         if full:

@@ -87,6 +87,8 @@ class SimHost:
         self.busy_seconds = 0.0  #: loop seconds with at least one activity (for reports)
         self.contended_seconds = 0.0  #: loop seconds with the host contended
         self._mark: float | None = None
+        #: whether the activities running now contend (set by every replan: the active set changes only there)
+        self._contended_now = False
 
     def rate(self, demand: float, total: float, count: int) -> float:
         """Progress per loop second (in modelled seconds, before ``time_scale``) of an activity of ``demand``
@@ -159,8 +161,7 @@ class SimHost:
         if self._mark is not None and self._active:
             span = now - self._mark
             self.busy_seconds += span
-            total, count, _ = self._load()
-            if self._contended(total, count):
+            if self._contended_now:
                 self.contended_seconds += span
         self._mark = now
         for act in self._active:
@@ -171,6 +172,7 @@ class SimHost:
 
     def _replan(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
         total, count, threads = self._load()
+        self._contended_now = self._contended(total, count)
         for act in self._active:
             if act.thread is None:
                 rate = self.rate(act.demand, total, count)
